@@ -1,0 +1,1 @@
+"""The FP4-KV engine. No Ray imports below this package."""

@@ -1,0 +1,73 @@
+"""Sampling parameters of one request. Pure Python; validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.engine.errors import InvalidRequestError
+
+
+class SamplingParamsError(InvalidRequestError):
+    """A sampling parameter is out of range; the message names the field."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick the next tokens of one request.
+
+    temperature 0 means greedy. top_k -1 (or 0) and top_p 1.0 disable those filters. seed makes
+    sampling reproducible per request, independent of what else is in the batch. Generation stops
+    at max_tokens, at EOS (unless ignore_eos), at any of stop_token_ids, or when the text contains
+    one of stop (the stop string itself is left out of the text unless include_stop_str_in_output).
+    logprobs=N returns the sampled token's log-probability and the N most likely alternatives.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be a number >= 0 (got {self.temperature!r})")
+        _check(_is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (0, -1)),
+               f"top_k must be -1 or 0 (disabled) or an integer >= 1 (got {self.top_k!r})")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1] (got {self.top_p!r})")
+        _check(self.seed is None or _is_int(self.seed),
+               f"seed must be an integer or None (got {self.seed!r})")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be a list of non-empty strings (got {self.stop!r})")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative integers (got {self.stop_token_ids!r})")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               f"logprobs must be None or an integer in [0, 20] (got {self.logprobs!r})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise SamplingParamsError(message)

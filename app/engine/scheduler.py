@@ -1,0 +1,184 @@
+"""Continuous batching with chunked prefill, vLLM-v1 style. Pure Python.
+
+There is no prefill phase and no decode phase: each step gives every request
+num_tokens - num_computed_tokens more tokens, running requests first, then waiting ones, within
+max_num_batched_tokens tokens and max_num_seqs requests. A long prompt simply gets a chunk per
+step. When blocks run out the newest running request is preempted: its blocks are freed (they
+stay in the prefix cache until evicted) and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from app.engine.errors import InvalidRequestError
+from app.engine.kv_cache_manager import KVCacheManager, cdiv
+from app.engine.sequence import Sequence, SequenceStatus
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request can never fit in the KV cache or the model's context."""
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # (sequence, number of its tokens to compute this step), in batch order
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        assert max_num_batched_tokens >= 1 and max_num_seqs >= 1
+        self.kv = kv_manager
+        self.block_size = kv_manager.block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.check_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self.requests[seq.request_id] = seq
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestTooLargeError unless prompt + max_tokens fits the context and the cache."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLargeError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
+            )
+        # The last sampled token is never fed back, so its K/V is never stored.
+        blocks = cdiv(total - 1, self.block_size)
+        if blocks > self.kv.pool.num_blocks:
+            raise RequestTooLargeError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks "
+                f"but the cache has {self.kv.pool.num_blocks}; lower max_tokens or give the KV cache more memory"
+            )
+
+    def finish_requests(self, request_ids: Iterable[str], status: SequenceStatus) -> list[Sequence]:
+        """Finish (e.g. abort) requests wherever they are; unknown ids are ignored."""
+        assert status.finished
+        finished = []
+        for rid in request_ids:
+            seq = self.requests.pop(rid, None)
+            if seq is None:
+                continue
+            if seq.status == SequenceStatus.RUNNING:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            self.kv.free(seq)
+            seq.status = status
+            finished.append(seq)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert num_new > 0
+            while self.kv.allocate_slots(seq, num_new) is None:
+                victim = self.running.pop()  # the newest running request
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq preempted itself: nothing after it is left to schedule
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                hits, num_hit_tokens = self.kv.get_computed_blocks(seq)
+                num_new = min(seq.num_tokens - num_hit_tokens, budget)
+                if self.kv.allocate_slots(seq, num_new, hits) is None:
+                    break
+                self.waiting.popleft()
+                if seq.num_cached_tokens < 0:
+                    seq.num_cached_tokens = num_hit_tokens
+                seq.num_computed_tokens = num_hit_tokens
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Advance scheduled requests; append sampled tokens; finish on EOS, stop ids, length.
+
+        `sampled` maps request id -> token for every request whose step reached its last token.
+        Returns the requests that finished in this step (their blocks are already freed).
+        """
+        finished = []
+        for seq, num_new in out.scheduled:
+            seq.num_computed_tokens += num_new
+            token = sampled.get(seq.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            assert seq.num_computed_tokens == seq.num_tokens
+            seq.append_token(token)
+            status = self._stop_status(seq, token)
+            if status is not None:
+                finished.extend(self.finish_requests([seq.request_id], status))
+        return finished
+
+    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        params = seq.sampling_params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,92 @@
+"""State of one request inside the engine. Pure Python."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from app.engine.block_hash import BlockHash, hash_block_tokens
+from app.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its blocks freed; it recomputes from its cached prefix
+    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request: its tokens, how many have KV in the cache, and the blocks holding them.
+
+    Tokens [0, num_computed_tokens) have their K/V in the blocks of block_table. The scheduler
+    gives the request num_tokens - num_computed_tokens more each step, within its budget.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first schedule
+    num_preemptions: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of the full blocks of all tokens
+
+    def __post_init__(self) -> None:
+        assert self.prompt_token_ids, "a sequence needs at least one prompt token"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = self.num_prompt_tokens
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Extend block_hashes over every full block of the current tokens; returns them all."""
+        num_full = self.num_tokens // block_size
+        while len(self.block_hashes) < num_full:
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            tokens = self.token_slice(i * block_size, (i + 1) * block_size)
+            self.block_hashes.append(hash_block_tokens(parent, tokens))
+        return self.block_hashes
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
