@@ -1,0 +1,175 @@
+"""Next-token sampling for a batch of rows: greedy, temperature, top-k, top-p, seeds, logprobs.
+
+Sampling is the exponential race: with q_i ~ Exp(1) per token, argmax_i(p_i / q_i) is token i
+with probability p_i (the first of independent Exp(p_i) clocks to ring). It is computed in log
+space, argmax_i(logit_i / T - log q_i), which skips the softmax: the Gumbel-max trick. Each row's
+q is one [vocab] draw from its own generator when it has one, so a seeded request samples the
+same tokens whatever else is in the batch. The work is a few in-place passes over one
+[rows, vocab] buffer: on CPU, fresh tensors of that size cost more in page faults than the math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from app.engine.sampling_params import SamplingParams
+
+# Temperatures below this are greedy: logits / T would overflow float32.
+_MIN_TEMPERATURE = 1e-5
+# Top-p alone first looks for its nucleus among this many best tokens, then sorts the whole row.
+_TOP_P_CANDIDATES = 1024
+
+_default_generators: dict[torch.device, torch.Generator] = {}
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    """The generator shared by rows without one, one per device, seeded from the OS."""
+    if device not in _default_generators:
+        gen = torch.Generator(device)
+        gen.seed()
+        _default_generators[device] = gen
+    return _default_generators[device]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[float] | None  # log-prob of the sampled token per row; None if no row asked
+    top_logprobs: list[list[tuple[int, float]] | None] | None  # per row its N best (id, logprob)
+
+
+class Sampler:
+    """Picks one token per row. Rows without a generator of their own share default_generator
+    (the engine may set one seeded from its config), else a module-level one per device."""
+
+    def __init__(self, default_generator: torch.Generator | None = None) -> None:
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> SamplerOutput:
+        # logits: [num_rows, vocab]
+        if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
+            raise ValueError(f"logits must be [num_rows, vocab] with one SamplingParams and one "
+                             f"generator (or None) per row; got logits {tuple(logits.shape)}, "
+                             f"{len(params)} params, {len(generators)} generators")
+        logits = logits.float()
+        num_rows, device = logits.shape[0], logits.device
+        shared = self.default_generator
+        if shared is None:
+            shared = _default_generator(device)
+        greedy = [i for i, p in enumerate(params) if p.temperature < _MIN_TEMPERATURE]
+        sampled = [i for i, p in enumerate(params) if p.temperature >= _MIN_TEMPERATURE]
+        if not sampled:
+            token_ids = logits.argmax(dim=-1)  # [num_rows]; the first index on ties
+        elif not greedy:
+            token_ids = _sample(logits, params, generators, shared)
+        else:
+            token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+            rows = torch.tensor(greedy, device=device)
+            token_ids[rows] = logits[rows].argmax(dim=-1)
+            rows = torch.tensor(sampled, device=device)
+            token_ids[rows] = _sample(logits[rows], [params[i] for i in sampled],
+                                      [generators[i] for i in sampled], shared)
+        return _with_logprobs(logits, token_ids, params)
+
+
+def _sample(logits: torch.Tensor, params: list[SamplingParams],
+            generators: list[torch.Generator | None], shared: torch.Generator) -> torch.Tensor:
+    # logits: [rows, vocab] -> token ids [rows]
+    rows, vocab = logits.shape
+    device = logits.device
+    temperature = torch.tensor([float(p.temperature) for p in params], device=device)[:, None]  # [rows, 1]
+    removed = _filtered_out(logits, temperature, params)  # [rows, vocab] bool, or None
+
+    score = torch.empty_like(logits)  # [rows, vocab], u ~ U[0, 1) first
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == rows:
+        score.uniform_(generator=shared)
+    elif unseeded:
+        score[unseeded] = torch.empty(len(unseeded), vocab, device=device).uniform_(generator=shared)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            score[i].uniform_(generator=gen)
+    # log q with q = -log u ~ Exp(1); u = 0 gives +inf, a score of -inf: never picked.
+    score.log_().neg_().log_()
+    # argmax(logits / T - log q) == argmax(logits - T * log q) since T > 0
+    score.mul_(-temperature).add_(logits)
+    if removed is not None:
+        score.masked_fill_(removed, float("-inf"))
+    return score.argmax(dim=-1)
+
+
+def _filtered_out(logits: torch.Tensor, temperature: torch.Tensor,
+                  params: list[SamplingParams]) -> torch.Tensor | None:
+    """[rows, vocab] True where top-k / top-p remove a token; None when no row filters."""
+    rows, vocab = logits.shape
+    device = logits.device
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    with_k = [i for i in range(rows) if top_k[i] < vocab]
+    p_only = [i for i in range(rows) if top_k[i] == vocab and params[i].top_p < 1.0]
+    if not with_k and not p_only:
+        return None
+    threshold = torch.full((rows, 1), float("-inf"), device=device)  # [rows, 1]
+    for group in (with_k, p_only):  # top-k rows need only torch.topk; top-p alone may sort
+        if group:
+            idx = torch.tensor(group, device=device)
+            k = torch.tensor([top_k[i] for i in group], device=device)  # [len(group)]
+            p = torch.tensor([float(params[i].top_p) for i in group], device=device)  # [len(group)]
+            group_logits = logits if len(group) == rows else logits[idx]
+            threshold[idx] = top_k_top_p_threshold(group_logits, temperature[idx], k, p)
+    return logits < threshold
+
+
+def top_k_top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                          top_p: torch.Tensor) -> torch.Tensor:
+    """The smallest logit each row keeps: of its top_k logits, the smallest set whose probability
+    (softmax of logits / temperature, renormalized over those k) reaches top_p.
+    logits: [rows, vocab]; temperature: [rows, 1]; top_k: [rows] long in [1, vocab], either all
+    < vocab or all == vocab; top_p: [rows] float in (0, 1]. Returns [rows, 1]: keep the logits
+    >= it (ties with the last kept token are kept too)."""
+    vocab = logits.shape[1]
+    max_k = int(top_k.max())
+    if max_k < vocab:
+        best = logits.topk(max_k, dim=-1).values  # [rows, max_k] descending
+        rank = torch.arange(max_k, device=logits.device)
+        probs = (best / temperature).masked_fill(rank >= top_k[:, None], float("-inf")).softmax(-1)
+    else:
+        if bool((top_k < vocab).any()):
+            raise ValueError("top_k_top_p_threshold: rows with and without top-k; call it "
+                             "once for each kind")
+        best = logits.topk(min(vocab, _TOP_P_CANDIDATES), dim=-1).values  # [rows, n] descending
+        row_max = best[:, :1] / temperature  # [rows, 1]
+        scaled = (logits / temperature).sub_(row_max).exp_()  # [rows, vocab]
+        lse = row_max + scaled.sum(dim=-1, keepdim=True).log_()  # [rows, 1] log of softmax's sum
+        probs = (best / temperature - lse).exp()
+        if best.shape[1] < vocab and bool((probs.sum(dim=-1) < top_p).any()):
+            best = logits.sort(dim=-1, descending=True).values  # [rows, vocab]
+            probs = (best / temperature - lse).exp()
+    rank = torch.arange(best.shape[1], device=logits.device)
+    mass_before = probs.cumsum(dim=-1) - probs  # [rows, n] mass of the higher-ranked tokens
+    # rank 0 is always kept; top_p 1 keeps all (the cumsum may round past 1.0 before the end)
+    keep = (rank < top_k[:, None]) & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    num_keep = keep.sum(dim=-1, keepdim=True)  # [rows, 1]
+    return best.gather(1, num_keep - 1)
+
+
+def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                   params: list[SamplingParams]) -> SamplerOutput:
+    # logits: [num_rows, vocab]; token_ids: [num_rows]
+    ids = token_ids.tolist()
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not wanted:
+        return SamplerOutput(ids, None, None)
+    logprobs = logits.log_softmax(dim=-1)  # [num_rows, vocab], of the raw logits
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    max_n = max(params[i].logprobs for i in wanted)
+    top: list[list[tuple[int, float]] | None] = [None] * len(params)
+    if max_n:
+        top_values, top_ids = logprobs.topk(max_n, dim=-1)  # [num_rows, max_n] descending
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for i in wanted:
+        n = params[i].logprobs
+        top[i] = list(zip(top_ids[i][:n], top_values[i][:n])) if n else []
+    return SamplerOutput(ids, chosen, top)
