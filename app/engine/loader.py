@@ -1,0 +1,205 @@
+"""Build a LlamaForCausalLM from a name, a HF safetensors directory or a llama2.c checkpoint.
+
+Accepted forms of `model`:
+- a name in DUMMY_MODELS: random weights, no files needed ("tiny-llama" is the embedded default);
+- a directory with config.json: *.safetensors weights (one file, or sharded with
+  model.safetensors.index.json), or random weights with load_format="dummy";
+- a path ending in .bin: a llama2.c "v0" checkpoint (e.g. shared/models/stories260K).
+
+The model is built on the meta device and materialized directly on `device` in `dtype`, so an
+8B model never exists in fp32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from app.engine.models.llama import LlamaConfig, LlamaForCausalLM
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+_LLAMA3_COMMON = dict(vocab_size=128256, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      rope_scaling=_LLAMA3_ROPE, max_position_embeddings=131072, tie_word_embeddings=False,
+                      bos_token_id=128000, eos_token_id=[128001, 128008, 128009])
+
+DUMMY_MODELS: dict[str, LlamaConfig] = {
+    # Embedded default: byte-tokenizer vocab (ids 0..258 used), llama3 rope scaling active
+    # from position 64 on (original_max_position_embeddings=64).
+    "tiny-llama": LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=172, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={**_LLAMA3_ROPE, "original_max_position_embeddings": 64}, max_position_embeddings=4096,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+    "llama-3.1-8b": LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, head_dim=128, **_LLAMA3_COMMON),
+    "llama-3.1-70b": LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                 num_attention_heads=64, head_dim=128, **_LLAMA3_COMMON),
+}
+
+LOAD_FORMATS = ("auto", "dummy")
+INIT_STD = 0.02  # linears and embeddings; norms are 1
+DEVICE_INIT_MIN_PARAMS = 10**9  # above this, random weights are generated on the target device
+
+
+def load_model(
+    model: str,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> tuple[LlamaForCausalLM, LlamaConfig]:
+    """The model (eval mode, on `device` in `dtype`) and its config; see the module docstring."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)} (got {load_format!r})")
+    path = Path(model)
+    if model in DUMMY_MODELS:
+        config, load = dataclasses.replace(DUMMY_MODELS[model]), None  # a copy: callers may edit it
+    elif path.is_dir() and (path / "config.json").is_file():
+        config = LlamaConfig.from_hf(json.loads((path / "config.json").read_text()))
+        load = _load_safetensors_dir
+    elif path.suffix == ".bin" and path.is_file():
+        config, load = read_llama2c_config(path), _load_llama2c
+    else:
+        raise ValueError(
+            f"cannot load model {model!r}: expected one of the built-in names {sorted(DUMMY_MODELS)}, "
+            f"a directory containing config.json and *.safetensors, or a llama2.c checkpoint file ending in .bin")
+    device = torch.device(device)
+    with torch.device("meta"):
+        module = LlamaForCausalLM(config, dtype=dtype)
+    module = module.to_empty(device=device)
+    module.tie_weights()
+    with torch.no_grad():
+        if load is None or load_format == "dummy":
+            init_random_weights(module, seed)
+        else:
+            load(module, path)
+    return module.eval(), config
+
+
+def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Normal(0, INIT_STD) linears and embeddings, norms 1, deterministic for a seed.
+
+    Models up to DEVICE_INIT_MIN_PARAMS are generated on the CPU in float32 and then copied, so
+    they are identical on every device. Larger ones (the 8B/70B benchmark shapes) are generated
+    on the target device with that device's generator: seeded, but only reproducible per device.
+    """
+    device = next(model.parameters()).device
+    if device.type == "meta":
+        return
+    on_device = model.config.num_params > DEVICE_INIT_MIN_PARAMS
+    gen = torch.Generator(device=device if on_device else "cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif on_device:
+                p.normal_(0.0, INIT_STD, generator=gen)
+            else:
+                p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=gen))
+
+
+def _load_safetensors_dir(model: LlamaForCausalLM, path: Path) -> None:
+    """Stream tensors one by one into the parameters, casting to their dtype and device."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}; pass load_format='dummy' for random weights")
+    params = dict(model.named_parameters())  # tied lm_head is deduplicated away
+    loaded, unexpected = set(), []
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.endswith("rotary_emb.inv_freq"):
+                    continue
+                if key == "lm_head.weight" and model.config.tie_word_embeddings:
+                    continue  # some tied checkpoints store the shared weight twice
+                if key not in params:
+                    unexpected.append(key)
+                    continue
+                tensor = f.get_tensor(key)
+                if tensor.shape != params[key].shape:
+                    raise ValueError(f"{file.name}: {key} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(params[key].shape)}")
+                params[key].copy_(tensor)
+                loaded.add(key)
+    missing = sorted(set(params) - loaded)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the Llama config: missing keys {missing}, "
+                         f"unexpected keys {sorted(unexpected)}")
+
+
+# llama2.c "v0": 7 int32 header, then fp32 arrays (see shared/models/stories260K/README.md).
+_LLAMA2C_HEADER = struct.Struct("<7i")
+_LLAMA2C_MAGIC = 0x616B3432  # "ak42": the later versioned export formats, not supported
+
+
+def read_llama2c_config(path: Path) -> LlamaConfig:
+    with open(path, "rb") as f:
+        header = f.read(_LLAMA2C_HEADER.size)
+    if len(header) < _LLAMA2C_HEADER.size:
+        raise ValueError(f"{path} is too short to be a llama2.c checkpoint")
+    dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len = _LLAMA2C_HEADER.unpack(header)
+    if dim == _LLAMA2C_MAGIC:
+        raise ValueError(f"{path} is a versioned llama2.c export; only the legacy 'v0' format is supported")
+    return LlamaConfig(
+        vocab_size=abs(vocab_size), hidden_size=dim, intermediate_size=hidden_dim, num_hidden_layers=n_layers,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, rms_norm_eps=1e-5, rope_theta=10000.0,
+        rope_scaling=None, max_position_embeddings=seq_len, tie_word_embeddings=vocab_size > 0,
+        bos_token_id=1, eos_token_id=2)
+
+
+def interleaved_to_half_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Permute the rows of wq/wk ([num_heads * head_dim, in]) per head so that the pair
+    (2i, 2i+1) that llama2.c rotates lands at (i, i + head_dim/2), which HF's rotate-half rotates
+    (the permutation of HF's convert_llama_weights_to_hf.py)."""
+    out_dim, in_dim = w.shape
+    return w.view(num_heads, out_dim // num_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def _load_llama2c(model: LlamaForCausalLM, path: Path) -> None:
+    c = model.config
+    dim, hidden, n_layers, vocab = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
+    kv_dim, head_dim = c.num_key_value_heads * c.head_dim, c.head_dim
+    data = np.memmap(path, dtype="<f4", mode="r", offset=_LLAMA2C_HEADER.size)
+    offset = 0
+
+    def take(*shape: int) -> torch.Tensor:
+        nonlocal offset
+        n = int(np.prod(shape))
+        if offset + n > data.size:
+            raise ValueError(f"{path} is truncated: the header promises more weights than the file holds")
+        t = torch.from_numpy(np.array(data[offset:offset + n])).view(*shape)
+        offset += n
+        return t
+
+    layers = model.model.layers
+    model.model.embed_tokens.weight.copy_(take(vocab, dim))
+    for name, shape in [("input_layernorm", (dim,)), ("self_attn.q_proj", (dim, dim)),
+                        ("self_attn.k_proj", (kv_dim, dim)), ("self_attn.v_proj", (kv_dim, dim)),
+                        ("self_attn.o_proj", (dim, dim)), ("post_attention_layernorm", (dim,)),
+                        ("mlp.gate_proj", (hidden, dim)), ("mlp.down_proj", (dim, hidden)),
+                        ("mlp.up_proj", (hidden, dim))]:
+        for i in range(n_layers):
+            w = take(*shape)
+            if name == "self_attn.q_proj":
+                w = interleaved_to_half_rope(w, c.num_attention_heads)
+            elif name == "self_attn.k_proj":
+                w = interleaved_to_half_rope(w, c.num_key_value_heads)
+            layers[i].get_submodule(name).weight.copy_(w)
+    model.model.norm.weight.copy_(take(dim))
+    take(2, c.max_position_embeddings, head_dim // 2)  # legacy freq_cis_real / freq_cis_imag, unused
+    if not c.tie_word_embeddings:
+        model.lm_head.weight.copy_(take(vocab, dim))
+    if offset != data.size:
+        raise ValueError(f"{path} has {data.size - offset} float32 values beyond the weights its header describes")

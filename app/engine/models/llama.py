@@ -1,0 +1,251 @@
+"""Llama 3.x (GQA, RoPE scaling) over a paged KV cache; parameter names exactly as HF's.
+
+Tokens of every sequence in a step are flattened into one dimension T (see AttentionMetadata).
+Each layer stores its new K/V in the cache first and then attends through the cache, so new
+tokens read their own K/V back and chunked prefill computes what one-shot prefill does.
+Tensor parallelism will shard the per-layer q/k/v/o and gate/up/down linears.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.engine.attention import AttentionMetadata
+from app.engine.kv_cache import KVCache
+
+ROPE_TYPES = ("llama3", "linear")
+_ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "linear": ("factor",)}
+
+
+@dataclass(slots=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None  # None -> hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...} or None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE (got {self.head_dim})")
+        self.rope_scaling = _normalize_rope_scaling(self.rope_scaling)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> LlamaConfig:
+        """From a HF config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
+        if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in (hf.get("architectures") or []):
+            raise ValueError(f"only Llama checkpoints are supported (model_type {hf.get('model_type')!r}, "
+                             f"architectures {hf.get('architectures')}); expected model_type 'llama'")
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag):
+                raise ValueError(f"{flag}=True is not supported: this Llama implementation has no biases")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be 'silu' (got {hf['hidden_act']!r})")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        heads = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim"), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta), rope_scaling=rope or None,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
+        )
+
+    def to_hf(self) -> dict:
+        """A config.json dict that transformers' LlamaConfig accepts (legacy rope keys, read by 4.x and 5.x)."""
+        d = asdict(self)
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **d,
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+
+    @property
+    def num_params(self) -> int:
+        h = self.hidden_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        per_layer = h * (2 * q + 2 * kv) + 3 * h * self.intermediate_size + 2 * h
+        lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_hidden_layers * per_layer + h + lm_head
+
+
+def _normalize_rope_scaling(rope: dict | None) -> dict | None:
+    """{"rope_type": t, <t's keys>} or None; HF's legacy "type" key is accepted."""
+    if not rope:
+        return None
+    rope = dict(rope)
+    rope_type = rope.pop("rope_type", None) or rope.pop("type", None)
+    rope.pop("type", None)
+    rope.pop("rope_theta", None)
+    if rope_type in (None, "default"):
+        return None
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: {list(ROPE_TYPES)} or none)")
+    missing = [k for k in _ROPE_KEYS[rope_type] if k not in rope]
+    if missing:
+        raise ValueError(f"rope_scaling of type {rope_type!r} is missing {missing}")
+    return {"rope_type": rope_type, **{k: rope[k] for k in _ROPE_KEYS[rope_type]}}
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:  # [head_dim // 2] float32, on CPU
+    """Inverse frequencies with the rope scaling applied (the formulas of HF / Llama 3.1)."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # not meta, even under init
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq
+    factor = rs["factor"]
+    if rs["rope_type"] == "linear":
+        return inv_freq / factor
+    low, high, old_len = rs["low_freq_factor"], rs["high_freq_factor"], rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths (> old_len / low) are slowed down by `factor`, short ones (< old_len / high)
+    # kept, and the band between interpolated smoothly.
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim // 2] float32
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE: x [T, heads, head_dim], cos/sin [T, head_dim] float32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim ** -0.5
+        h, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(h, q_size, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(h, kv_size, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(h, kv_size, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, h, bias=False, dtype=dtype)
+
+    def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, heads, head_dim]
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv_cache.store(self.layer_idx, k, v, meta.slot_mapping)
+        o = kv_cache.attention(self.layer_idx, q, meta, self.scale)  # [T, heads, head_dim]
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(self, h, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # A plain attribute, not a buffer: absent from state dicts, never cast by .to(dtype),
+        # untouched by meta init; moved once to the device of the first positions it meets.
+        self.inv_freq = rope_inv_freq(config)  # [head_dim // 2] float32
+
+    def forward(self, input_ids, positions, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions)  # [T, head_dim] float32 each
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share embed_tokens' weight with lm_head when tied (call again after to_empty)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden] after the final norm
+        return self.model(input_ids, positions, kv_cache, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        return self.lm_head(hidden).float()
