@@ -1,0 +1,82 @@
+"""Every engine setting in one place, validated at the edge (offline API, YAML, HTTP)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | str) -> int:
+    """1073741824, "1GiB", "512 MiB", "2GB" -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a memory size: {value!r} (use bytes or e.g. '512MiB', '2GiB')")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+class EngineConfig(BaseModel):
+    """Settings of one engine (one replica)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(
+        "tiny-llama",
+        description="A Hugging Face model directory (config.json + *.safetensors), a llama2.c .bin "
+        "checkpoint, or the name of a built-in dummy model (tiny-llama, llama-3.1-8b, llama-3.1-70b) "
+        "with seeded random weights.",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer path: a HF directory or tokenizer.json, or a llama2.c tokenizer .bin. "
+        "Default: the model directory for HF models, a byte tokenizer for dummy models.",
+    )
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="'dummy' loads seeded random weights with the model directory's config."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype. 'auto': float32 on CPU, bfloat16 on GPU."
+    )
+    kv_cache_dtype: str = Field(
+        "bf16",
+        description="KV cache format: 'bf16', 'fp16', 'fp32', or 'auto' (the compute dtype).",
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (page).")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Token budget of one engine step; longer prompts are prefilled in chunks."
+    )
+    max_num_seqs: int = Field(128, ge=1, description="Most requests running at once.")
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + output in tokens. Default: the model's max_position_embeddings."
+    )
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="Exact number of KV blocks. Overrides kv_cache_memory."
+    )
+    kv_cache_memory: int | str | None = Field(
+        None,
+        description="KV cache memory budget, in bytes or like '4GiB'. Default: on GPU, "
+        "gpu_memory_utilization of the device minus what the model uses; on CPU, 1GiB. "
+        "Never more blocks than max_num_seqs full-length requests need.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of GPU memory the engine may use (weights + KV cache)."
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of identical prefixes.")
+    device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1', ...")
+    seed: int = Field(0, description="Seed of dummy weights and of unseeded sampling.")
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _check_memory(cls, v):
+        if v is None:
+            return v
+        n = parse_bytes(v)
+        if n <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 (got {v!r})")
+        return n

@@ -1,0 +1,276 @@
+"""LLMEngine: requests in, one scheduled model step at a time, outputs out. No Ray, no asyncio."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from app.config import EngineConfig
+from app.engine.detokenizer import IncrementalDetokenizer
+from app.engine.errors import InvalidRequestError
+from app.engine.kv_cache import KVCacheSpec, create_kv_cache, kv_bytes_per_token
+from app.engine.kv_cache_manager import KVCacheManager, cdiv
+from app.engine.kv_events import KVEvent
+from app.engine.loader import DUMMY_MODELS, load_model
+from app.engine.model_runner import ModelRunner
+from app.engine.sampling_params import SamplingParams
+from app.engine.scheduler import Scheduler
+from app.engine.sequence import Sequence, SequenceStatus
+from app.engine.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_DEFAULT_KV_MEMORY = 1 << 30
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What a request has produced so far; the delta fields hold what is new since the last one."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _RequestState:
+    seq: Sequence
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    num_sent_tokens: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = field(default=None)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[dtype]
+
+
+def resolve_tokenizer(config: EngineConfig, vocab_size: int) -> Tokenizer:
+    if config.tokenizer is not None:
+        return load_tokenizer(config.tokenizer)
+    model = Path(config.model)
+    if model.is_dir() and (model / "tokenizer.json").exists():
+        return load_tokenizer(str(model))
+    if config.model in DUMMY_MODELS or config.load_format == "dummy":
+        return load_tokenizer(None, vocab_size=vocab_size)
+    raise ValueError(f"no tokenizer found for model {config.model!r}; pass tokenizer=<path> "
+                     "(a HF directory or tokenizer.json, or a llama2.c tokenizer .bin)")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+        self.config = config = config or EngineConfig(**kwargs)
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model, self.model_config = load_model(
+            config.model, device=self.device, dtype=self.dtype, load_format=config.load_format, seed=config.seed
+        )
+        mc = self.model_config
+        self.tokenizer = resolve_tokenizer(config, mc.vocab_size)
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.kv_spec = KVCacheSpec(
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            block_size=config.block_size,
+            compute_dtype=self.dtype,
+        )
+        self.kv_bytes_per_token = kv_bytes_per_token(config.kv_cache_dtype, self.kv_spec)
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.kv_cache = create_kv_cache(config.kv_cache_dtype, self.kv_spec, self.num_kv_blocks, self.device)
+        self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        eos = set(self.tokenizer.eos_token_ids)
+        eos.update(e for e in _as_list(mc.eos_token_id) if e is not None)
+        self.scheduler = Scheduler(
+            self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, eos
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self._requests: dict[str, _RequestState] = {}
+        self._kv_events: list[KVEvent] = []
+        self.kv_manager.pool.subscribe(self._kv_events.append)
+        self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.runner.sampler.default_generator = self.default_generator
+        logger.info(
+            "engine ready: model=%s kv_cache_dtype=%s blocks=%d x %d tokens (%.1f MiB, %d B/token)",
+            config.model, config.kv_cache_dtype, self.num_kv_blocks, config.block_size,
+            self.num_kv_blocks * config.block_size * self.kv_bytes_per_token / 2**20, self.kv_bytes_per_token,
+        )
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_memory is not None:
+            budget = int(c.kv_cache_memory)
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * c.gpu_memory_utilization) - (total - free)
+        else:
+            budget = _CPU_DEFAULT_KV_MEMORY
+        num_blocks = budget // (self.kv_bytes_per_token * c.block_size)
+        useful = c.max_num_seqs * cdiv(self.max_model_len, c.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"KV cache memory budget {budget} B is too small for one block "
+                             f"({self.kv_bytes_per_token * c.block_size} B); raise kv_cache_memory")
+        return min(num_blocks, useful)
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | Seq[int]) -> list[int]:
+        """Prompt text or ids -> validated token ids (raises InvalidRequestError)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}) (got {bad[:5]})")
+        return ids
+
+    def validate(self, prompt: str | Seq[int], params: SamplingParams | None) -> list[int]:
+        """Check a request without queueing it; returns its prompt token ids.
+
+        Raises InvalidRequestError naming what is wrong; changes nothing.
+        """
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams (got {type(params).__name__})")
+        prompt_ids = self.tokenize(prompt)
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt is {len(prompt_ids)} tokens, longer than max_model_len ({self.max_model_len}) allows "
+                "with at least one output token; shorten the prompt"
+            )
+        self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
+        return prompt_ids
+
+    def add_request(
+        self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request. Raises InvalidRequestError (and changes nothing) if it is invalid."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.validate(prompt, params)
+        seq = Sequence(request_id, prompt_ids, params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            prompt_token_ids=prompt_ids,
+        )
+        state = _RequestState(seq, prompt if isinstance(prompt, str) else None, detok, generator)
+        if params.logprobs is not None:
+            state.logprobs, state.top_logprobs = [], []
+        self.scheduler.add_request(seq)
+        self._requests[request_id] = state
+
+    def abort_request(self, request_ids: str | Seq[str]) -> list[RequestOutput]:
+        """Stop requests now and free their blocks; unknown or finished ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finished = self.scheduler.finish_requests(request_ids, SequenceStatus.FINISHED_ABORTED)
+        return [self._make_output(self._requests.pop(s.request_id)) for s in finished]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; outputs of requests with new tokens or finished."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampled_seqs, out = self.runner.execute(sched, {r: s.generator for r, s in self._requests.items()
+                                                        if s.generator is not None})
+        sampled = {}
+        if out is not None:
+            for i, seq in enumerate(sampled_seqs):
+                sampled[seq.request_id] = out.token_ids[i]
+                state = self._requests[seq.request_id]
+                if state.logprobs is not None:
+                    state.logprobs.append(out.logprobs[i])
+                    state.top_logprobs.append(out.top_logprobs[i])
+        finished = {s.request_id for s in self.scheduler.update_from_output(sched, sampled)}
+        outputs = []
+        for rid, token in sampled.items():
+            state = self._requests[rid]
+            if state.detokenizer.append([token]) is not None and rid not in finished:
+                self.scheduler.finish_requests([rid], SequenceStatus.FINISHED_STOPPED)
+                finished.add(rid)
+            outputs.append(self._make_output(state))
+            if rid in finished:
+                del self._requests[rid]
+        return outputs
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        seq = state.seq
+        finished = seq.is_finished
+        new_ids = seq.output_token_ids[state.num_sent_tokens :]
+        state.num_sent_tokens = seq.num_output_tokens
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=state.detokenizer.output_text,
+            token_ids=list(seq.output_token_ids),
+            delta_text=state.detokenizer.get_delta(finished),
+            delta_token_ids=new_ids,
+            finished=finished,
+            finish_reason=seq.status.finish_reason,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            logprobs=None if state.logprobs is None else list(state.logprobs),
+            top_logprobs=None if state.top_logprobs is None else list(state.top_logprobs),
+        )
+
+    # -- KV events and stats -------------------------------------------------------------------
+    def take_kv_events(self) -> list[KVEvent]:
+        """KV events since the last call, oldest first."""
+        events = self._kv_events.copy()
+        self._kv_events.clear()
+        return events
+
+    def subscribe_kv_events(self, callback: Callable[[KVEvent], None]) -> None:
+        self.kv_manager.pool.subscribe(callback)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_manager.reset_prefix_cache()
+
+    def stats(self) -> dict:
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_kv_blocks": self.num_kv_blocks,
+            "num_free_kv_blocks": self.kv_manager.num_free_blocks,
+            "kv_cache_usage": self.kv_manager.usage,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+        }
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]

@@ -1,0 +1,80 @@
+"""Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+from app.config import EngineConfig
+from app.engine.engine import LLMEngine, RequestOutput
+from app.engine.errors import InvalidRequestError
+from app.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """An engine driven to completion in the caller's thread.
+
+    >>> llm = LLM(model="../shared/models/stories260K/stories260K.bin",
+    ...           tokenizer="../shared/models/stories260K/tok512.bin")
+    >>> llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40))[0].text
+
+    Keyword arguments are EngineConfig fields (see app/config.py).
+    """
+
+    def __init__(self, model: str = "tiny-llama", **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        log_every_s: float = 10.0,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order.
+
+        All prompts are validated before any is queued, so an invalid one changes nothing.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompts):
+                raise InvalidRequestError(
+                    f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; pass one or one each"
+                )
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        engine = self.engine
+        for prompt, p in zip(prompts, params):
+            engine.validate(prompt, p)
+        request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p in zip(request_ids, prompts, params):
+                engine.add_request(rid, prompt, p)
+            return self._run(request_ids, log_every_s)
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+
+    def _run(self, request_ids: list[str], log_every_s: float) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        start = last_log = time.monotonic()
+        while len(finished) < len(request_ids):
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            now = time.monotonic()
+            if now - last_log >= log_every_s:
+                last_log = now
+                logger.info("generate: %d/%d requests finished after %.0f s",
+                            len(finished), len(request_ids), now - start)
+        return [finished[rid] for rid in request_ids]

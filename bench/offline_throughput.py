@@ -1,0 +1,80 @@
+"""Offline throughput of the engine: prefill and decode tokens/s.
+
+Random token prompts (no prefix-cache hits). Two runs with the same prompts:
+  1. max_tokens=1: the time is prefill (plus one sampled token per request);
+  2. max_tokens=N: decode tokens/s = (N - 1) * requests / (time of run 2 - time of run 1).
+
+    python bench/offline_throughput.py --model tiny-llama --num-requests 64 --prompt-len 256 --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+
+import torch
+
+from app import LLM, SamplingParams
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.engine.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(o.token_ids) for o in outs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--kv-cache-dtype", default="bf16")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    llm = LLM(
+        model=args.model, tokenizer=args.tokenizer, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+        dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.prompt_len + args.output_len + 1,
+    )
+    vocab = min(llm.engine.model_config.vocab_size, 259)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+    timed_generate(llm, prompts[:2], 4)  # warm-up
+    t_prefill, _ = timed_generate(llm, prompts, 1)
+    t_full, n_out = timed_generate(llm, prompts, args.output_len)
+    n_prompt = args.num_requests * args.prompt_len
+    n_decode = n_out - args.num_requests
+    result = {
+        "model": args.model,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "requests": args.num_requests,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "prefill_tok_s": round(n_prompt / t_prefill, 1),
+        "decode_tok_s": round(n_decode / max(t_full - t_prefill, 1e-9), 1),
+        "total_tok_s": round((n_prompt + n_out) / t_full, 1),
+        "wall_s": round(t_full, 2),
+        "device": args.device if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads)",
+        "torch": torch.__version__,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""The engine end to end on real weights (stories260K) and the embedded dummy model.
+
+Every equivalence here is exact: greedy tokens must be identical.
+"""
+
+import pytest
+import torch
+
+from app import LLM, SamplingParams
+from app.engine.errors import InvalidRequestError
+from app.engine.kv_events import BlockRemoved, BlockStored
+
+from conftest import STORIES_GREEDY
+
+STORY = (
+    "Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked to play with his "
+    "ball in the park every day. One day, Tim saw a little cat under a tree. The cat was sad because it was "
+    "lost. Tim wanted to help the cat find its home."
+)
+PROMPTS = [STORY[:n] for n in (15, 40, 77, 120, 151, 188, 220, len(STORY))]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def stories_llm(paths, **kw):
+    model, tok = paths
+    return LLM(model=model, tokenizer=tok, **kw)
+
+
+def tokens(outputs):
+    return [o.token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def reference(stories_paths):
+    """Each prompt alone, one-shot prefill, block size 16, plenty of blocks, no prefix caching."""
+    llm = stories_llm(stories_paths, enable_prefix_caching=False, max_num_batched_tokens=4096)
+    return [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+
+
+def test_stories260k_greedy_reproduces_known_text(stories_paths):
+    for kv in ("bf16", "auto"):
+        llm = stories_llm(stories_paths, kv_cache_dtype=kv)
+        out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40))[0]
+        assert "Once upon a time" + out.text == STORIES_GREEDY
+        assert out.finish_reason == "length" and len(out.token_ids) == 40
+
+
+def test_reference_prompts_are_long_enough_to_chunk(stories_paths, reference):
+    llm = stories_llm(stories_paths)
+    lengths = [len(llm.engine.tokenize(p)) for p in PROMPTS]
+    assert max(lengths) > 64 and min(lengths) < 16
+
+
+def test_batch_of_8_mixed_lengths_equals_each_alone(stories_paths, reference):
+    llm = stories_llm(stories_paths, enable_prefix_caching=False)
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
+
+
+@pytest.mark.parametrize("budget", [7, 16, 64])
+def test_chunked_prefill_equals_one_shot(stories_paths, reference, budget):
+    llm = stories_llm(stories_paths, enable_prefix_caching=False, max_num_batched_tokens=budget)
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
+
+
+def test_block_size_1_equals_16(stories_paths, reference):
+    llm = stories_llm(stories_paths, block_size=1, enable_prefix_caching=False)
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
+
+
+def test_prefix_cache_hit_equals_recompute(stories_paths, reference):
+    llm = stories_llm(stories_paths, block_size=4)
+    first = llm.generate(PROMPTS[-1:], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    # Every shorter prompt is a prefix of the last one: its full blocks are cached now.
+    outs = [llm.generate([p], GREEDY)[0] for p in PROMPTS]
+    assert tokens(outs) == reference
+    assert all(o.num_cached_tokens >= 4 for o in outs[1:])
+    assert outs[-1].num_cached_tokens == (len(outs[-1].prompt_token_ids) - 1) // 4 * 4
+
+
+def test_preempted_and_recomputed_equals_never_preempted(stories_paths, reference):
+    # 20 blocks of 16 tokens cannot hold 8 growing requests at once: the newest get preempted.
+    llm = stories_llm(stories_paths, num_kv_blocks=20)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, params)
+    done, preemptions = {}, 0
+    while engine.has_unfinished_requests():
+        preemptions += sum(s.num_preemptions for s in engine.scheduler.running)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert preemptions > 0
+    assert [done[str(i)] for i in range(len(PROMPTS))] == reference
+    assert engine.kv_manager.num_free_blocks == 20
+
+
+def test_seeded_sampling_is_batch_independent(stories_paths):
+    llm = stories_llm(stories_paths)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=7)
+    alone = llm.generate([PROMPTS[2]], seeded)[0].token_ids
+    mixed = llm.generate(
+        [PROMPTS[0], PROMPTS[2], PROMPTS[4]],
+        [SamplingParams(temperature=1.0, max_tokens=20), seeded, SamplingParams(temperature=0.7, seed=3)],
+    )
+    assert mixed[1].token_ids == alone
+    other = llm.generate([PROMPTS[2]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=8))
+    assert other[0].token_ids != alone
+
+
+def test_stop_strings_stop_tokens_and_logprobs(stories_paths):
+    llm = stories_llm(stories_paths)
+    full = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40))[0].text
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40, stop=["Lily"]))[0]
+    assert out.text == full[: full.index("Lily")] and out.finish_reason == "stop"
+    out = llm.generate(["Once upon a time"], SamplingParams(
+        temperature=0, max_tokens=40, stop=["Lily"], include_stop_str_in_output=True))[0]
+    assert out.text == full[: full.index("Lily") + 4]
+    first = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[first[2]]))[0]
+    assert out.token_ids == first and out.finish_reason == "stop"
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=5, logprobs=2))[0]
+    assert len(out.logprobs) == 5 and all(lp <= 0 for lp in out.logprobs)
+    assert all(len(top) == 2 and top[0][0] == tok for top, tok in zip(out.top_logprobs, out.token_ids))
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def test_end_of_story_token_finishes_with_stop(stories_paths):
+    # llama2.c's TinyStories models end a story with BOS (run.c stops there), not with EOS.
+    llm = stories_llm(stories_paths)
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=400))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 1 and len(out.token_ids) < 400
+    assert "\ufffd" not in out.text and out.text.rstrip("\"").endswith(".")
+
+
+def test_kv_events_follow_blocks(stories_paths):
+    llm = stories_llm(stories_paths, num_kv_blocks=8, block_size=4)
+    engine = llm.engine
+    llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4))
+    events = engine.take_kv_events()
+    stored = [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
+    n_prompt = len(engine.tokenize(PROMPTS[1]))
+    assert len(stored) == (n_prompt + 3) // 4
+    assert engine.take_kv_events() == []
+    llm.generate([[300 + i for i in range(25)]], SamplingParams(temperature=0, max_tokens=4))  # 7 blocks
+    removed = [h for e in engine.take_kv_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert removed and set(removed) <= set(stored)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ("", SamplingParams(), "prompt must not be empty"),
+        ([], SamplingParams(), "prompt must not be empty"),
+        ([1, 99999], SamplingParams(), r"prompt token ids must be integers in \[0, 512\)"),
+        ("x" * 600, SamplingParams(), "longer than max_model_len"),
+        ("Once", SamplingParams(max_tokens=600), r"exceeds max_model_len \(512\)"),
+    ],
+    ids=["empty-text", "empty-ids", "bad-id", "too-long", "too-many-tokens"],
+)
+def test_bad_requests_raise_and_change_nothing(stories_paths, prompt, params, match):
+    llm = stories_llm(stories_paths)
+    with pytest.raises(InvalidRequestError, match=match):
+        llm.generate(["Once upon a time", prompt], params)
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks
+    assert llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40))[0].text in STORIES_GREEDY
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"seed": "x"}, "seed"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(InvalidRequestError, match=f"^{field} "):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_sampling_field_is_rejected():
+    with pytest.raises(TypeError, match="temprature"):
+        SamplingParams(temprature=0.5)
+
+
+def test_embedded_dummy_model_runs_without_files():
+    llm = LLM()  # tiny-llama with a byte tokenizer
+    outs = llm.generate(["hello", "a longer prompt for the tiny model"], SamplingParams(temperature=0, max_tokens=8))
+    assert [len(o.token_ids) for o in outs] == [8, 8] or any(o.finish_reason == "stop" for o in outs)
+    again = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert again.token_ids == outs[0].token_ids
+
+
+def test_abort_mid_generation_frees_blocks(stories_paths):
+    llm = stories_llm(stories_paths)
+    engine = llm.engine
+    engine.add_request("x", STORY, SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.kv_manager.num_free_blocks < engine.num_kv_blocks
+    (out,) = engine.abort_request("x")
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks and not engine.has_unfinished_requests()
+    assert torch.is_grad_enabled()
