@@ -21,6 +21,32 @@ def parse_bytes(value: int | str) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
+class FP4Config(BaseModel):
+    """Options of the fp4 KV cache format (app/kernels/fp4.py; bench/RESULTS.md has the ablation)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    group_size: int = Field(16, ge=2, description="Values per E4M3 block scale (min(group_size, head_dim) is used).")
+    key_outliers: int = Field(
+        1, ge=0, le=16, description="Outlier slots per key vector: the largest-magnitude entries kept exactly in bf16."
+    )
+    value_outliers: int = Field(0, ge=0, le=16, description="Outlier slots per value vector.")
+    outlier_mode: Literal["topk", "zscore"] = Field(
+        "topk", description="'topk': always fill the slots; 'zscore': only entries beyond zscore std devs."
+    )
+    zscore: float = Field(3.0, gt=0, description="Threshold of the zscore outlier mode.")
+    rotate: bool = Field(
+        False, description="Multiply K and V by a fixed randomized Hadamard matrix before quantizing (Q alike)."
+    )
+
+    def formats(self):
+        """(K format, V format) for the KV cache."""
+        from app.kernels.fp4 import FP4Format
+
+        common = dict(group_size=self.group_size, outlier_mode=self.outlier_mode, zscore=self.zscore, rotate=self.rotate)
+        return FP4Format(outliers=self.key_outliers, **common), FP4Format(outliers=self.value_outliers, **common)
+
+
 class EngineConfig(BaseModel):
     """Settings of one engine (one replica)."""
 
@@ -45,8 +71,10 @@ class EngineConfig(BaseModel):
     )
     kv_cache_dtype: str = Field(
         "bf16",
-        description="KV cache format: 'bf16', 'fp16', 'fp32', or 'auto' (the compute dtype).",
+        description="KV cache format: 'fp4' (4-bit E2M1 with block scales and outliers, see fp4), 'fp8' "
+        "(E4M3 with a scale per token and head), 'bf16', 'fp16', 'fp32', or 'auto' (the compute dtype).",
     )
+    fp4: FP4Config = Field(default_factory=FP4Config, description="Options of kv_cache_dtype='fp4'.")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (page).")
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Token budget of one engine step; longer prompts are prefilled in chunks."

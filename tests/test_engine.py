@@ -30,10 +30,16 @@ def tokens(outputs):
     return [o.token_ids for o in outputs]
 
 
+@pytest.fixture(scope="module", params=["bf16", "fp8", "fp4"])
+def kv(request):
+    """Every equivalence holds for each KV cache format."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference(stories_paths):
+def reference(stories_paths, kv):
     """Each prompt alone, one-shot prefill, block size 16, plenty of blocks, no prefix caching."""
-    llm = stories_llm(stories_paths, enable_prefix_caching=False, max_num_batched_tokens=4096)
+    llm = stories_llm(stories_paths, kv_cache_dtype=kv, enable_prefix_caching=False, max_num_batched_tokens=4096)
     return [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
 
 
@@ -45,30 +51,30 @@ def test_stories260k_greedy_reproduces_known_text(stories_paths):
         assert out.finish_reason == "length" and len(out.token_ids) == 40
 
 
-def test_reference_prompts_are_long_enough_to_chunk(stories_paths, reference):
+def test_reference_prompts_are_long_enough_to_chunk(stories_paths):
     llm = stories_llm(stories_paths)
     lengths = [len(llm.engine.tokenize(p)) for p in PROMPTS]
     assert max(lengths) > 64 and min(lengths) < 16
 
 
-def test_batch_of_8_mixed_lengths_equals_each_alone(stories_paths, reference):
-    llm = stories_llm(stories_paths, enable_prefix_caching=False)
+def test_batch_of_8_mixed_lengths_equals_each_alone(stories_paths, reference, kv):
+    llm = stories_llm(stories_paths, kv_cache_dtype=kv, enable_prefix_caching=False)
     assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
 
 
 @pytest.mark.parametrize("budget", [7, 16, 64])
-def test_chunked_prefill_equals_one_shot(stories_paths, reference, budget):
-    llm = stories_llm(stories_paths, enable_prefix_caching=False, max_num_batched_tokens=budget)
+def test_chunked_prefill_equals_one_shot(stories_paths, reference, kv, budget):
+    llm = stories_llm(stories_paths, kv_cache_dtype=kv, enable_prefix_caching=False, max_num_batched_tokens=budget)
     assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
 
 
-def test_block_size_1_equals_16(stories_paths, reference):
-    llm = stories_llm(stories_paths, block_size=1, enable_prefix_caching=False)
+def test_block_size_1_equals_16(stories_paths, reference, kv):
+    llm = stories_llm(stories_paths, kv_cache_dtype=kv, block_size=1, enable_prefix_caching=False)
     assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
 
 
-def test_prefix_cache_hit_equals_recompute(stories_paths, reference):
-    llm = stories_llm(stories_paths, block_size=4)
+def test_prefix_cache_hit_equals_recompute(stories_paths, reference, kv):
+    llm = stories_llm(stories_paths, kv_cache_dtype=kv, block_size=4)
     first = llm.generate(PROMPTS[-1:], GREEDY)[0]
     assert first.num_cached_tokens == 0
     # Every shorter prompt is a prefix of the last one: its full blocks are cached now.
@@ -78,9 +84,9 @@ def test_prefix_cache_hit_equals_recompute(stories_paths, reference):
     assert outs[-1].num_cached_tokens == (len(outs[-1].prompt_token_ids) - 1) // 4 * 4
 
 
-def test_preempted_and_recomputed_equals_never_preempted(stories_paths, reference):
+def test_preempted_and_recomputed_equals_never_preempted(stories_paths, reference, kv):
     # 20 blocks of 16 tokens cannot hold 8 growing requests at once: the newest get preempted.
-    llm = stories_llm(stories_paths, num_kv_blocks=20)
+    llm = stories_llm(stories_paths, kv_cache_dtype=kv, num_kv_blocks=20)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     engine = llm.engine
     for i, p in enumerate(PROMPTS):

@@ -93,9 +93,12 @@ class LLMEngine:
             block_size=config.block_size,
             compute_dtype=self.dtype,
         )
-        self.kv_bytes_per_token = kv_bytes_per_token(config.kv_cache_dtype, self.kv_spec)
+        fp4_formats = config.fp4.formats()
+        self.kv_bytes_per_token = kv_bytes_per_token(config.kv_cache_dtype, self.kv_spec, fp4_formats)
         self.num_kv_blocks = self._num_kv_blocks()
-        self.kv_cache = create_kv_cache(config.kv_cache_dtype, self.kv_spec, self.num_kv_blocks, self.device)
+        self.kv_cache = create_kv_cache(
+            config.kv_cache_dtype, self.kv_spec, self.num_kv_blocks, self.device, fp4_formats
+        )
         self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         eos = set(self.tokenizer.eos_token_ids)
         eos.update(e for e in _as_list(mc.eos_token_id) if e is not None)

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from app.config import FP4Config
 from app.engine.attention import AttentionMetadata, causal_attention_ref, decode_attention_ref
+from app.kernels import fp4
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,19 +39,6 @@ class KVCache(ABC):
         self.num_blocks = num_blocks
         self.device = torch.device(device)
 
-    @classmethod
-    @abstractmethod
-    def bytes_per_token_per_layer(cls, spec: KVCacheSpec) -> int:
-        """Bytes one token occupies in one layer, K and V together, metadata included."""
-
-    @classmethod
-    def bytes_per_token(cls, spec: KVCacheSpec) -> int:
-        return cls.bytes_per_token_per_layer(spec) * spec.num_layers
-
-    @classmethod
-    def num_blocks_for_budget(cls, spec: KVCacheSpec, budget_bytes: int) -> int:
-        return budget_bytes // (cls.bytes_per_token(spec) * spec.block_size)
-
     @abstractmethod
     def store(
         self,
@@ -71,7 +60,11 @@ class KVCache(ABC):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Each sequence's new tokens attend causally to its cached tokens (themselves included).
+        """Each sequence's new tokens attend causally to its cached tokens (themselves included)."""
+        return self._attend(layer, query, meta, scale, self.read_blocks)
+
+    def _attend(self, layer, query, meta, scale, read_blocks) -> torch.Tensor:
+        """Torch reference over pages that `read_blocks(layer, ids)` returns.
 
         Sequences with one new token (decodes) are batched into one padded gather; the others
         (prefill chunks) run one by one.
@@ -85,7 +78,7 @@ class KVCache(ABC):
             lens = [meta.seq_lens[i] for i in decodes]
             num_blocks = math.ceil(max(lens) / bs)
             tables = meta.block_tables[decodes, :num_blocks]  # [d, num_blocks]
-            k, v = self.read_blocks(layer, tables.flatten())  # [d * num_blocks, bs, kvh, hd]
+            k, v = read_blocks(layer, tables.flatten())  # [d * num_blocks, bs, kvh, hd]
             k = k.view(len(decodes), num_blocks * bs, *k.shape[2:])
             v = v.view(len(decodes), num_blocks * bs, *v.shape[2:])
             seq_lens = torch.tensor(lens, device=query.device)
@@ -95,7 +88,7 @@ class KVCache(ABC):
             if end - start <= 1:
                 continue  # a decode (done above) or nothing
             block_ids = meta.block_tables[i, : math.ceil(seq_len / bs)]
-            k, v = self.read_blocks(layer, block_ids)
+            k, v = read_blocks(layer, block_ids)
             k = k.flatten(0, 1)[:seq_len]
             v = v.flatten(0, 1)[:seq_len]
             out[start:end] = causal_attention_ref(query[start:end], k, v, scale).to(query.dtype)
@@ -132,7 +125,104 @@ class DenseKVCache(KVCache):
         return self.k_cache[layer][block_ids].to(dt), self.v_cache[layer][block_ids].to(dt)
 
 
-KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+class FP8KVCache(KVCache):
+    """FP8 E4M3 with one float32 scale per token and KV head (vLLM's fp8_per_token_head)."""
+
+    name = "fp8"
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device) -> None:
+        super().__init__(spec, num_blocks, device)
+        page = (num_blocks, spec.block_size, spec.num_kv_heads)
+        self.pages = [
+            {
+                f"{kv}_values": torch.zeros(*page, spec.head_dim, dtype=torch.float8_e4m3fn, device=self.device),
+                f"{kv}_scale": torch.zeros(page, dtype=torch.float32, device=self.device),
+            }
+            for _ in range(spec.num_layers)
+            for kv in ("k", "v")
+        ]
+        # pages[2 * layer] holds K, pages[2 * layer + 1] holds V
+
+    @classmethod
+    def bytes_per_token_per_layer(cls, spec: KVCacheSpec) -> int:
+        return 2 * spec.num_kv_heads * (spec.head_dim + fp4.FP8_BYTES_PER_VECTOR_EXTRA)
+
+    def store(self, layer, key, value, slot_mapping) -> None:
+        quantized = [fp4.fp8_quantize(key), fp4.fp8_quantize(value)]  # both checked before any write
+        for kv, (values, scale) in zip(("k", "v"), quantized):
+            page = self.pages[2 * layer + (kv == "v")]
+            page[f"{kv}_values"].view(-1, *values.shape[1:])[slot_mapping] = values
+            page[f"{kv}_scale"].view(-1, scale.shape[1])[slot_mapping] = scale
+
+    def read_blocks(self, layer, block_ids):
+        dt = self.spec.compute_dtype
+        out = []
+        for kv in ("k", "v"):
+            page = self.pages[2 * layer + (kv == "v")]
+            out.append(fp4.fp8_dequantize(page[f"{kv}_values"][block_ids], page[f"{kv}_scale"][block_ids]).to(dt))
+        return out[0], out[1]
+
+
+class FP4KVCache(KVCache):
+    """FP4 E2M1 codes with E4M3 group scales, an E8M0 second-level scale, outlier slots and an
+    optional Hadamard rotation (app/kernels/fp4.py); one set of arrays per layer for K and for V."""
+
+    name = "fp4"
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device, formats: tuple[fp4.FP4Format, fp4.FP4Format]):
+        super().__init__(spec, num_blocks, device)
+        self.formats = formats
+        for fmt in formats:
+            fmt.check(spec.head_dim)
+        assert formats[0].rotate == formats[1].rotate, "K and V are rotated together"
+        self.rotation = fp4.hadamard_rotation(spec.head_dim, self.device) if formats[0].rotate else None
+        d, h = spec.head_dim, spec.num_kv_heads
+        page = (num_blocks, spec.block_size, h)
+        # pages[2 * layer] holds K, pages[2 * layer + 1] holds V; every array is indexed by block id
+        self.pages = []
+        for _ in range(spec.num_layers):
+            for fmt in formats:
+                self.pages.append(fp4.FP4Tensor(
+                    codes=torch.zeros(*page, d // 2, dtype=torch.uint8, device=self.device),
+                    scales=torch.zeros(*page, d // fmt.group(d), dtype=torch.float8_e4m3fn, device=self.device),
+                    scale_exp=torch.zeros(page, dtype=torch.uint8, device=self.device),
+                    out_vals=torch.zeros(*page, fmt.outliers, dtype=torch.bfloat16, device=self.device),
+                    out_idx=torch.zeros(*page, fmt.outliers, dtype=torch.uint8, device=self.device),
+                ))
+
+    @classmethod
+    def bytes_per_token_per_layer(cls, spec: KVCacheSpec, formats=None) -> int:
+        return spec.num_kv_heads * sum(fmt.bytes_per_vector(spec.head_dim) for fmt in formats)
+
+    def store(self, layer, key, value, slot_mapping) -> None:
+        quantized = [fp4.fp4_quantize(x, fmt, self.rotation) for x, fmt in zip((key, value), self.formats)]
+        for i, q in enumerate(quantized):  # both checked (NaN/Inf) before any write
+            for page, new in zip(self.pages[2 * layer + i], q):
+                if new.numel():  # outlier arrays are empty without outlier slots
+                    page.view(-1, *new.shape[1:])[slot_mapping] = new
+
+    def _read(self, layer, block_ids, rotated: bool):
+        dt = self.spec.compute_dtype
+        rotation = None if rotated else self.rotation
+        out = []
+        for i in range(2):
+            q = fp4.FP4Tensor(*(page[block_ids] for page in self.pages[2 * layer + i]))
+            out.append(fp4.fp4_dequantize(q, self.formats[i], rotation).to(dt))
+        return out[0], out[1]
+
+    def read_blocks(self, layer, block_ids):
+        return self._read(layer, block_ids, rotated=False)
+
+    def attention(self, layer, query, meta, scale):
+        if self.rotation is None:
+            return super().attention(layer, query, meta, scale)
+        # Attend in the rotated basis: q R . k R = q . k, and P (V R) R^T = P V.
+        q = (query.float() @ self.rotation).to(query.dtype)
+        out = self._attend(layer, q, meta, scale, lambda lyr, ids: self._read(lyr, ids, rotated=True))
+        return (out.float() @ self.rotation.T).to(query.dtype)
+
+
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "fp4")
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> str:
@@ -143,12 +233,27 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> s
     return kv_cache_dtype
 
 
-def kv_bytes_per_token(kv_cache_dtype: str, spec: KVCacheSpec) -> int:
-    """Bytes of KV cache one token needs across all layers in the given format."""
-    name = resolve_kv_cache_dtype(kv_cache_dtype, spec.compute_dtype)
-    return DenseKVCache.bytes_per_token_per_layer(spec, _DENSE_DTYPES[name]) * spec.num_layers
+FP4Formats = tuple[fp4.FP4Format, fp4.FP4Format]  # (K, V)
 
 
-def create_kv_cache(kv_cache_dtype: str, spec: KVCacheSpec, num_blocks: int, device) -> KVCache:
+def kv_bytes_per_token(kv_cache_dtype: str, spec: KVCacheSpec, fp4_formats: FP4Formats | None = None) -> int:
+    """Bytes of KV cache one token needs across all layers in the given format (metadata included)."""
     name = resolve_kv_cache_dtype(kv_cache_dtype, spec.compute_dtype)
+    if name == "fp4":
+        per_layer = FP4KVCache.bytes_per_token_per_layer(spec, fp4_formats or FP4Config().formats())
+    elif name == "fp8":
+        per_layer = FP8KVCache.bytes_per_token_per_layer(spec)
+    else:
+        per_layer = DenseKVCache.bytes_per_token_per_layer(spec, _DENSE_DTYPES[name])
+    return per_layer * spec.num_layers
+
+
+def create_kv_cache(
+    kv_cache_dtype: str, spec: KVCacheSpec, num_blocks: int, device, fp4_formats: FP4Formats | None = None
+) -> KVCache:
+    name = resolve_kv_cache_dtype(kv_cache_dtype, spec.compute_dtype)
+    if name == "fp4":
+        return FP4KVCache(spec, num_blocks, device, fp4_formats or FP4Config().formats())
+    if name == "fp8":
+        return FP8KVCache(spec, num_blocks, device)
     return DenseKVCache(spec, num_blocks, device, _DENSE_DTYPES[name])

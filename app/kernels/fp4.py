@@ -1,0 +1,202 @@
+"""The FP4 KV format in pure torch: the CPU path and the reference for the Triton kernels.
+
+One vector x of head_dim values (one token, one KV head) is stored as
+  codes      [head_dim / 2] uint8     E2M1 codes (sign bit 3, magnitude 0, .5, 1, 1.5, 2, 3, 4, 6),
+                                      two per byte: element 2i in the low nibble, 2i+1 in the high
+  scales     [head_dim / G] e4m3      one per group of G = min(16, head_dim) values (as NVFP4)
+  scale_exp  []             uint8     second-level scale 2^(scale_exp - 127) (E8M0, as MX formats),
+                                      chosen so the largest group scale lands in (224, 448]: E4M3's
+                                      range never clips, whatever the vector's magnitude
+  out_vals   [k]            bf16      outlier retention: the k largest-magnitude entries, kept
+  out_idx    [k]            uint8     in bf16 with their index and left out of the group scales
+                                      (their bf16 rounding residue stays in the codes); unused
+                                      slots hold value 0 at index 0, and dequantization adds them
+Optionally the vector is first multiplied by a fixed randomized Hadamard matrix R (orthogonal):
+K is stored rotated and queries are rotated alike (q R . k R = q . k); V is stored rotated and
+the attention output is rotated back (P (V R) R^T = P V).
+
+Quantization rounds to nearest, ties to even, as the hardware's cvt to e2m1 and e4m3 do.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TIES_UP = (0.75, 1.75, 3.5)  # midpoints whose even neighbour is the upper one
+ROTATION_SEED = 0x5EED  # fixed: a cache written by one process is read by another
+
+
+@dataclass(frozen=True, slots=True)
+class FP4Format:
+    """How vectors are quantized. outliers: slots per vector (fixed, so pages keep their size)."""
+
+    group_size: int = 16
+    outliers: int = 0
+    outlier_mode: Literal["topk", "zscore"] = "topk"
+    zscore: float = 3.0  # zscore mode: only entries with |x - mean| > zscore * std, at most `outliers`
+    rotate: bool = False
+
+    def group(self, head_dim: int) -> int:
+        return min(self.group_size, head_dim)
+
+    def bytes_per_vector(self, head_dim: int) -> int:
+        return head_dim // 2 + head_dim // self.group(head_dim) + 1 + 3 * self.outliers
+
+    def check(self, head_dim: int) -> None:
+        g = self.group(head_dim)
+        if head_dim % 2 or head_dim % g:
+            raise ValueError(f"fp4 needs head_dim ({head_dim}) even and a multiple of group_size ({g})")
+        if not 0 <= self.outliers <= min(head_dim, 16):
+            raise ValueError(f"fp4 outliers must be in [0, {min(head_dim, 16)}] (got {self.outliers})")
+        if head_dim > 256:
+            raise ValueError(f"fp4 outlier indices are uint8: head_dim must be <= 256 (got {head_dim})")
+        if self.rotate and head_dim & (head_dim - 1):
+            raise ValueError(f"fp4 rotation needs a power-of-two head_dim (got {head_dim})")
+
+
+class FP4Tensor(NamedTuple):
+    codes: torch.Tensor  # [..., head_dim // 2] uint8
+    scales: torch.Tensor  # [..., head_dim // G] float8_e4m3fn
+    scale_exp: torch.Tensor  # [...] uint8
+    out_vals: torch.Tensor  # [..., k] bfloat16
+    out_idx: torch.Tensor  # [..., k] uint8
+
+
+# -- E2M1 --------------------------------------------------------------------------------------
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """float -> 4-bit codes (uint8 0..15), round to nearest even, saturating at +-6."""
+    a = x.abs().float()
+    mid = torch.tensor(_E2M1_MIDPOINTS, device=x.device)
+    code = torch.bucketize(a, mid)  # a == midpoint goes to the lower code
+    for m in _TIES_UP:
+        code += a == m
+    sign = (x < 0) & (code > 0)
+    return (code | (sign.to(code.dtype) << 3)).to(torch.uint8)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=codes.device)
+    return table[codes.long()]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] codes 0..15 -> [..., n] bytes (even index in the low nibble)."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2n] codes."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+# -- rotation ----------------------------------------------------------------------------------
+def hadamard_rotation(dim: int, device: torch.device | str = "cpu", seed: int = ROTATION_SEED) -> torch.Tensor:
+    """[dim, dim] float32 orthogonal: Sylvester Hadamard / sqrt(dim), rows with random signs."""
+    assert dim > 0 and dim & (dim - 1) == 0, f"dim must be a power of two (got {dim})"
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    gen = torch.Generator().manual_seed(seed + dim)
+    signs = torch.randint(0, 2, (dim,), generator=gen).float() * 2 - 1
+    return (signs[:, None] * h / math.sqrt(dim)).to(device)
+
+
+# -- quantize / dequantize ---------------------------------------------------------------------
+def check_finite(x: torch.Tensor, what: str = "K/V") -> None:
+    if not torch.isfinite(x).all():
+        bad = (~torch.isfinite(x)).nonzero()[0].tolist()
+        raise ValueError(f"non-finite value in {what} at index {bad}: refusing to store it in the KV cache")
+
+
+def _select_outliers(x: torch.Tensor, fmt: FP4Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values [..., k] and indices [..., k] of the retained entries (unused slots: value 0, index 0)."""
+    mag = x.abs()
+    if fmt.outlier_mode == "zscore":
+        mean, std = x.mean(-1, keepdim=True), x.std(-1, keepdim=True, correction=0)
+        mag = torch.where((x - mean).abs() > fmt.zscore * std, mag, torch.full_like(mag, -1.0))
+    top, idx = mag.topk(fmt.outliers, dim=-1)
+    used = top >= 0
+    if fmt.outlier_mode == "topk":
+        used &= top > 0
+    idx = torch.where(used, idx, torch.zeros_like(idx))
+    vals = torch.where(used, x.gather(-1, idx), torch.zeros_like(top))
+    return vals, idx
+
+
+def fp4_quantize(x: torch.Tensor, fmt: FP4Format, rotation: torch.Tensor | None = None) -> FP4Tensor:
+    """x [..., head_dim] (any float dtype) -> FP4Tensor. Raises ValueError on NaN/Inf."""
+    head_dim = x.shape[-1]
+    fmt.check(head_dim)
+    check_finite(x)
+    x = x.float()
+    if fmt.rotate:
+        assert rotation is not None, "fmt.rotate needs the rotation matrix"
+        x = x @ rotation
+    if fmt.outliers:
+        # Take the bf16-rounded kept values out of x (scatter_add: unused slots subtract 0 at index
+        # 0, and may share that index with a used slot); what remains there is the rounding residue.
+        out_vals, out_idx = _select_outliers(x, fmt)
+        out_vals = out_vals.to(torch.bfloat16)
+        x = x.scatter_add(-1, out_idx, -out_vals.float())
+    else:
+        out_vals = x.new_zeros(*x.shape[:-1], 0, dtype=torch.bfloat16)
+        out_idx = x.new_zeros(*x.shape[:-1], 0, dtype=torch.long)
+    g = fmt.group(head_dim)
+    groups = x.view(*x.shape[:-1], head_dim // g, g)
+    group_scale = groups.abs().amax(-1) / E2M1_MAX  # [..., head_dim // g]
+    top = group_scale.amax(-1)  # [...]
+    exp = torch.ceil(torch.log2(top / E4M3_MAX)).clamp(-126, 127)
+    exp = torch.where(top > 0, exp, torch.full_like(exp, -127))
+    second = torch.exp2(exp)  # [...]
+    scales = (group_scale / second[..., None]).to(torch.float8_e4m3fn)
+    decoded = scales.float() * second[..., None]
+    safe = torch.where(decoded > 0, decoded, torch.ones_like(decoded))
+    codes = e2m1_encode(groups / safe[..., None]).view(*x.shape[:-1], head_dim)
+    return FP4Tensor(
+        codes=pack_nibbles(codes),
+        scales=scales,
+        scale_exp=(exp + 127).to(torch.uint8),
+        out_vals=out_vals,
+        out_idx=out_idx.to(torch.uint8),
+    )
+
+
+def fp4_dequantize(q: FP4Tensor, fmt: FP4Format, rotation: torch.Tensor | None = None) -> torch.Tensor:
+    """FP4Tensor -> [..., head_dim] float32. With `rotation`, rotated back to the original basis;
+    without it, a rotated format stays in the rotated basis (what attention over rotated q uses)."""
+    codes = unpack_nibbles(q.codes)
+    head_dim = codes.shape[-1]
+    g = fmt.group(head_dim)
+    second = torch.exp2(q.scale_exp.float() - 127)
+    scale = q.scales.float() * second[..., None]  # [..., head_dim // g]
+    x = (e2m1_decode(codes).view(*codes.shape[:-1], head_dim // g, g) * scale[..., None]).flatten(-2)
+    if q.out_vals.shape[-1]:
+        x = x.scatter_add(-1, q.out_idx.long(), q.out_vals.float())
+    if rotation is not None and fmt.rotate:
+        x = x @ rotation.T
+    return x
+
+
+# -- FP8 per token and head (the 8-bit baseline) -------------------------------------------------
+def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (e4m3 values [..., head_dim], float32 scale [...]); amax maps to 448."""
+    check_finite(x)
+    x = x.float()
+    scale = x.abs().amax(-1) / E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (x / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
+def fp8_dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return values.float() * scale[..., None]
+
+
+FP8_BYTES_PER_VECTOR_EXTRA = 4  # the float32 scale

@@ -1,0 +1,201 @@
+"""The FP4 KV format (app/kernels/fp4.py) and the fp8/fp4 KV caches built on it."""
+
+import math
+
+import pytest
+import torch
+
+from app.config import FP4Config
+from app.engine.attention import AttentionMetadata
+from app.engine.kv_cache import KVCacheSpec, create_kv_cache, kv_bytes_per_token
+from app.kernels.fp4 import (
+    E2M1_VALUES,
+    FP4Format,
+    e2m1_decode,
+    e2m1_encode,
+    fp4_dequantize,
+    fp4_quantize,
+    fp8_dequantize,
+    fp8_quantize,
+    hadamard_rotation,
+    pack_nibbles,
+    unpack_nibbles,
+)
+
+
+def e2m1_nearest_even(v: float) -> float:
+    """Independent reference: nearest grid value, ties to the even code index, saturating."""
+    a = min(abs(v), 6.0)
+    dist = [abs(a - g) for g in E2M1_VALUES]
+    best = min(dist)
+    idx = [i for i, d in enumerate(dist) if d == best]
+    code = idx[0] if len(idx) == 1 else [i for i in idx if i % 2 == 0][0]
+    return math.copysign(E2M1_VALUES[code], v) if E2M1_VALUES[code] else 0.0
+
+
+def test_e2m1_grid_ties_and_saturation():
+    grid = [s * g for g in E2M1_VALUES for s in (1, -1)]
+    mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    probes = grid + mids + [-m for m in mids] + [0.1, 0.3, 0.74, 2.49, 2.51, 5.01, 6.5, 7.0, 1e9, -1e9]
+    x = torch.tensor(probes)
+    got = e2m1_decode(e2m1_encode(x)).tolist()
+    assert got == [e2m1_nearest_even(v) for v in probes]
+    # Spelled out: ties go to the even code, beyond 6 saturates.
+    assert e2m1_decode(e2m1_encode(torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0]))).tolist() == [
+        0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
+    assert e2m1_encode(torch.tensor([-0.1])).item() == 0  # no negative zero code
+    assert e2m1_encode(torch.tensor([-6.0])).item() == 0b1111
+
+
+def test_nibble_packing():
+    codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
+    assert pack_nibbles(codes).tolist() == [[0x21, 0x0F]]
+    rand = torch.randint(0, 16, (7, 32), dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(rand)), rand)
+
+
+def test_error_within_half_grid_step_of_the_group_scale():
+    """|x - x_hat| <= max(ds, 6 (s - ds)): rounding on the E2M1 grid moves a value by at most one
+    scale unit (the widest gap, 4..6, is 2 units); saturation loses at most 6 (s - ds) when E4M3
+    rounded the scale s = amax/6 down to ds."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 64) * torch.logspace(-3, 3, 256)[:, None]
+    fmt = FP4Format(group_size=16)
+    q = fp4_quantize(x, fmt)
+    x_hat = fp4_dequantize(q, fmt)
+    s = x.view(256, 4, 16).abs().amax(-1) / 6
+    ds = q.scales.float() * torch.exp2(q.scale_exp.float() - 127)[:, None]
+    bound = torch.maximum(ds, 6 * (s - ds).clamp(min=0))
+    err = (x - x_hat).abs().view(256, 4, 16)
+    assert (err <= bound[..., None] * (1 + 1e-6)).all()
+    # Relative RMS error of Gaussian data: about 9.5% (E2M1 has 3 magnitude bits per group).
+    rel = (x - x_hat).norm(dim=-1) / x.norm(dim=-1)
+    assert rel.mean() < 0.11
+
+
+def test_second_level_scale_keeps_any_magnitude():
+    torch.manual_seed(1)
+    base = torch.randn(64, 128)
+    fmt = FP4Format()
+    errors = []
+    for mag in (1e-20, 1e-6, 1.0, 1e6, 1e30):
+        x = base * mag
+        x_hat = fp4_dequantize(fp4_quantize(x, fmt), fmt)
+        errors.append(((x - x_hat).norm() / x.norm()).item())
+    assert max(errors) - min(errors) < 1e-3, errors  # the same relative error at every scale
+
+
+def test_zeros_and_non_finite():
+    fmt = FP4Format(outliers=2)
+    x = torch.zeros(3, 32)
+    x[1, 16:] = torch.randn(16)  # one group zero, one not
+    q = fp4_quantize(x, fmt)
+    x_hat = fp4_dequantize(q, fmt)
+    assert torch.equal(x_hat[0], torch.zeros(32)) and torch.equal(x_hat[1, :16], torch.zeros(16))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = torch.randn(2, 32)
+        y[1, 5] = bad
+        with pytest.raises(ValueError, match=r"non-finite value in K/V at index \[1, 5\]"):
+            fp4_quantize(y, fmt)
+        with pytest.raises(ValueError, match="non-finite"):
+            fp8_quantize(y)
+
+
+def test_outliers_are_kept_exactly_and_spare_their_group():
+    torch.manual_seed(2)
+    x = torch.randn(100, 128)
+    x[:, 37] = 500.0 * torch.sign(torch.randn(100))
+    plain, kept = FP4Format(), FP4Format(outliers=1)
+    x_plain = fp4_dequantize(fp4_quantize(x, plain), plain)
+    q = fp4_quantize(x, kept)
+    x_kept = fp4_dequantize(q, kept)
+    assert (q.out_idx[:, 0] == 37).all()
+    assert torch.equal(x_kept[:, 37], x[:, 37].bfloat16().float())
+    group = [i for i in range(32, 48) if i != 37]  # the outlier's neighbours: crushed without retention
+    err_plain = (x_plain[:, group] - x[:, group]).norm() / x[:, group].norm()
+    err_kept = (x_kept[:, group] - x[:, group]).norm() / x[:, group].norm()
+    assert err_plain > 0.9 and err_kept < 0.12
+
+
+def test_zscore_mode_keeps_only_real_outliers():
+    x = torch.full((2, 64), 0.5)
+    x[0, ::2] = -0.5
+    x[0, 3], x[0, 50] = 40.0, -30.0
+    fmt = FP4Format(outliers=4, outlier_mode="zscore", zscore=3.0)
+    q = fp4_quantize(x, fmt)
+    assert sorted(q.out_idx[0][q.out_vals[0] != 0].tolist()) == [3, 50]
+    assert (q.out_vals[1] == 0).all()  # a constant vector has no outliers
+    x_hat = fp4_dequantize(q, fmt)
+    assert x_hat[0, 3] == 40.0 and x_hat[0, 50] == -30.0
+    # +-0.5 sit on the grid (6 x amax/6); only E4M3's rounding of the scale (<= 2^-4) moves them.
+    assert torch.allclose(x_hat, x, rtol=2**-4, atol=0)
+
+
+def test_rotation_is_orthogonal_fixed_and_round_trips():
+    r = hadamard_rotation(128)
+    assert torch.allclose(r @ r.T, torch.eye(128), atol=1e-6)
+    assert torch.equal(r, hadamard_rotation(128))
+    torch.manual_seed(3)
+    x = torch.randn(50, 128)
+    x[:, 5] += 40  # a massive channel: rotated, it spreads evenly over all 128 dims
+    assert (x @ r).abs().max() < 8
+    fmt = FP4Format(rotate=True)
+    x_hat = fp4_dequantize(fp4_quantize(x, fmt, r), fmt, r)
+    assert ((x_hat - x).norm(dim=-1) / x.norm(dim=-1)).max() < 0.12
+
+
+def test_fp8_per_token_head():
+    torch.manual_seed(4)
+    x = torch.randn(10, 4, 128) * 3
+    values, scale = fp8_quantize(x)
+    assert values.dtype == torch.float8_e4m3fn and scale.shape == (10, 4)
+    x_hat = fp8_dequantize(values, scale)
+    # E4M3 keeps 3 mantissa bits: relative error <= 2^-4 for values in its normal range.
+    normal = x.abs() >= scale[..., None] * 2**-6
+    assert ((x_hat - x).abs() <= x.abs() * 2**-4 + 1e-7)[normal].all()
+
+
+def spec(head_dim=128, heads=2, layers=1, block_size=4):
+    return KVCacheSpec(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, block_size=block_size,
+                       compute_dtype=torch.float32)
+
+
+def test_bytes_per_token_and_capacity_at_head_dim_128():
+    s = spec(heads=1)
+    default = FP4Config().formats()
+    bf16 = kv_bytes_per_token("bf16", s)
+    fp4 = kv_bytes_per_token("fp4", s, default)
+    assert bf16 == 512 and kv_bytes_per_token("fp8", s) == 264
+    assert fp4 <= 150 and bf16 / fp4 >= 3.4
+    # The allocated arrays are exactly what the accounting says.
+    cache = create_kv_cache("fp4", s, 10, "cpu", default)
+    allocated = sum(t.numel() * t.element_size() for page in cache.pages for t in page)
+    assert allocated == fp4 * 10 * s.block_size
+
+
+@pytest.mark.parametrize("fp4_cfg", [FP4Config(), FP4Config(rotate=True, value_outliers=1), FP4Config(key_outliers=0)])
+def test_cache_attention_matches_reference_on_dequantized_pages(fp4_cfg):
+    """The cache's attention (rotated basis when rotating) equals plain attention over the
+    dequantized pages, and a failed store (NaN) leaves the pages untouched."""
+    from app.engine.attention import causal_attention_ref
+
+    torch.manual_seed(5)
+    s = spec(head_dim=64, heads=2, block_size=4)
+    cache = create_kv_cache("fp4", s, 8, "cpu", fp4_cfg.formats())
+    k, v = torch.randn(10, 2, 64), torch.randn(10, 2, 64)
+    slots = torch.tensor([8, 9, 10, 11, 20, 21, 22, 23, 0, 1])  # blocks 2, 5, 0
+    cache.store(0, k, v, slots)
+    q = torch.randn(3, 4, 64)
+    meta = AttentionMetadata(slot_mapping=slots[7:], block_tables=torch.tensor([[2, 5, 0]]), seq_lens=[10],
+                             query_start_loc=[0, 3])
+    out = cache.attention(0, q, meta, 0.125)
+    kk, vv = cache.read_blocks(0, torch.tensor([2, 5, 0]))
+    ref = causal_attention_ref(q, kk.flatten(0, 1)[:10], vv.flatten(0, 1)[:10], 0.125)
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert (kk.flatten(0, 1)[:10] - k).norm() / k.norm() < 0.12
+    before = [t.clone() for page in cache.pages for t in page]
+    bad_v = v.clone()
+    bad_v[3, 1, 7] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        cache.store(0, k, bad_v, slots)
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for page in cache.pages for t in page]))
