@@ -199,3 +199,18 @@ def test_cache_attention_matches_reference_on_dequantized_pages(fp4_cfg):
     with pytest.raises(ValueError, match="non-finite"):
         cache.store(0, k, bad_v, slots)
     assert all(torch.equal(a, b) for a, b in zip(before, [t for page in cache.pages for t in page]))
+
+
+def test_zscore_threshold_that_can_never_fire_is_rejected():
+    with pytest.raises(ValueError, match=r"zscore \(3.0\) must be below sqrt\(head_dim - 1\) = 2.65"):
+        fp4_quantize(torch.randn(2, 8), FP4Format(group_size=8, outliers=2, outlier_mode="zscore", zscore=3.0))
+
+
+def test_scale_search_never_increases_a_groups_error():
+    torch.manual_seed(6)
+    x = torch.randn(500, 64) * torch.rand(500, 1) * 10
+    plain, search = FP4Format(), FP4Format(scale_targets=(6.0, 5.0, 4.5, 4.0))
+    e_plain = (fp4_dequantize(fp4_quantize(x, plain), plain) - x).view(500, 4, 16).square().sum(-1)
+    e_search = (fp4_dequantize(fp4_quantize(x, search), search) - x).view(500, 4, 16).square().sum(-1)
+    assert (e_search <= e_plain + 1e-9).all()
+    assert e_search.sum() < 0.9 * e_plain.sum()  # on Gaussian groups it saves over 10% of the MSE

@@ -43,6 +43,9 @@ class FP4Format:
     outlier_mode: Literal["topk", "zscore"] = "topk"
     zscore: float = 3.0  # zscore mode: only entries with |x - mean| > zscore * std, at most `outliers`
     rotate: bool = False
+    # Values of the E2M1 grid a group's amax may be mapped to; per group the one with the lowest
+    # squared error wins (6 alone is plain NVFP4 scaling; (6, 4) is "four over six").
+    scale_targets: tuple[float, ...] = (6.0,)
 
     def group(self, head_dim: int) -> int:
         return min(self.group_size, head_dim)
@@ -58,6 +61,11 @@ class FP4Format:
             raise ValueError(f"fp4 outliers must be in [0, {min(head_dim, 16)}] (got {self.outliers})")
         if head_dim > 256:
             raise ValueError(f"fp4 outlier indices are uint8: head_dim must be <= 256 (got {head_dim})")
+        if self.outliers and self.outlier_mode == "zscore" and self.zscore >= math.sqrt(head_dim - 1):
+            raise ValueError(f"fp4 zscore ({self.zscore}) must be below sqrt(head_dim - 1) = {math.sqrt(head_dim - 1):.2f}: "
+                             "no entry of a vector can lie further from its mean, so no outlier would ever be kept")
+        if not self.scale_targets or not all(0.5 <= t <= E2M1_MAX for t in self.scale_targets):
+            raise ValueError(f"fp4 scale_targets must be values in [0.5, 6] (got {self.scale_targets})")
         if self.rotate and head_dim & (head_dim - 1):
             raise ValueError(f"fp4 rotation needs a power-of-two head_dim (got {head_dim})")
 
@@ -151,15 +159,28 @@ def fp4_quantize(x: torch.Tensor, fmt: FP4Format, rotation: torch.Tensor | None 
         out_idx = x.new_zeros(*x.shape[:-1], 0, dtype=torch.long)
     g = fmt.group(head_dim)
     groups = x.view(*x.shape[:-1], head_dim // g, g)
-    group_scale = groups.abs().amax(-1) / E2M1_MAX  # [..., head_dim // g]
-    top = group_scale.amax(-1)  # [...]
+    amax = groups.abs().amax(-1)  # [..., head_dim // g]
+    # The second-level scale leaves room for the largest candidate scale (amax / smallest target).
+    top = amax.amax(-1) / min(fmt.scale_targets)  # [...]
     exp = torch.ceil(torch.log2(top / E4M3_MAX)).clamp(-126, 127)
     exp = torch.where(top > 0, exp, torch.full_like(exp, -127))
-    second = torch.exp2(exp)  # [...]
-    scales = (group_scale / second[..., None]).to(torch.float8_e4m3fn)
-    decoded = scales.float() * second[..., None]
-    safe = torch.where(decoded > 0, decoded, torch.ones_like(decoded))
-    codes = e2m1_encode(groups / safe[..., None]).view(*x.shape[:-1], head_dim)
+    second = torch.exp2(exp)[..., None]  # [..., 1]
+    best = None
+    for target in fmt.scale_targets:
+        # Map the group's amax to `target` on the E2M1 grid; keep, per group, the lowest error.
+        scales = (amax / target / second).to(torch.float8_e4m3fn)
+        decoded = scales.float() * second
+        safe = torch.where(decoded > 0, decoded, torch.ones_like(decoded))[..., None]
+        codes = e2m1_encode(groups / safe)
+        err = (e2m1_decode(codes) * safe - groups).square().sum(-1)  # [..., head_dim // g]
+        if best is None:
+            best = [scales, codes, err]
+            continue
+        better = err < best[2]
+        best[0] = torch.where(better, scales, best[0])
+        best[1] = torch.where(better[..., None], codes, best[1])
+        best[2] = torch.minimum(err, best[2])
+    scales, codes = best[0], best[1].view(*x.shape[:-1], head_dim)
     return FP4Tensor(
         codes=pack_nibbles(codes),
         scales=scales,

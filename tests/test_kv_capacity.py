@@ -1,0 +1,52 @@
+"""Memory accounting: the engine sizes its KV cache from a budget, per format."""
+
+import json
+
+import pytest
+
+from app import LLM, SamplingParams
+from app.config import EngineConfig
+from app.engine.engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def head_dim_128_model(tmp_path_factory):
+    """A one-layer dummy Llama with Llama-3's head_dim of 128 (random weights)."""
+    d = tmp_path_factory.mktemp("hd128")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 320, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 4096,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    }
+    (d / "config.json").write_text(json.dumps(config))
+    return str(d)
+
+
+def engine(model, kv, **kw):
+    return LLMEngine(EngineConfig(model=model, load_format="dummy", kv_cache_dtype=kv, max_num_seqs=4096,
+                                  kv_cache_memory="64MiB", **kw))
+
+
+def test_same_budget_holds_3_4x_more_tokens_in_fp4(head_dim_128_model):
+    bf16, fp8, fp4 = (engine(head_dim_128_model, kv) for kv in ("bf16", "fp8", "fp4"))
+    # 2 layers x 1 KV head: bf16 512 B per layer, fp8 264, fp4 (K 64+4+1+4x3, V 64+4+1) 150.
+    assert (bf16.kv_bytes_per_token, fp8.kv_bytes_per_token, fp4.kv_bytes_per_token) == (1024, 528, 300)
+    assert fp4.num_kv_blocks / bf16.num_kv_blocks >= 3.4
+    assert bf16.num_kv_blocks == (64 << 20) // (1024 * 16)
+    for e in (bf16, fp8, fp4):
+        allocated = sum(t.numel() * t.element_size() for t in _tensors(e.kv_cache))
+        assert allocated == e.num_kv_blocks * 16 * e.kv_bytes_per_token <= 64 << 20
+
+
+def _tensors(cache):
+    if hasattr(cache, "k_cache"):
+        return cache.k_cache + cache.v_cache
+    return [t for page in cache.pages for t in (page.values() if isinstance(page, dict) else page)]
+
+
+def test_fp4_engine_generates_on_head_dim_128(head_dim_128_model):
+    llm = LLM(model=head_dim_128_model, load_format="dummy", kv_cache_dtype="fp4", num_kv_blocks=64)
+    out = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
+    assert llm.engine.kv_manager.num_free_blocks == 64
