@@ -69,8 +69,8 @@ def main() -> None:
         "decode_tok_s": round(n_decode / max(t_full - t_prefill, 1e-9), 1),
         "total_tok_s": round((n_prompt + n_out) / t_full, 1),
         "wall_s": round(t_full, 2),
-        "device": args.device if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads)",
+        "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
+        else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
         "torch": torch.__version__,
     }
     print(json.dumps(result))
