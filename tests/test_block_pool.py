@@ -91,6 +91,9 @@ def test_manager_prefix_hit_is_capped_one_token_short():
     assert kv.get_computed_blocks(a) == ([], 0)
     assert kv.allocate_slots(a, 8) == [0, 1]
     assert a.block_table == [0, 1]
+    assert kv.pool.num_cached_blocks == 0  # nothing is cached before its K/V is written
+    a.num_computed_tokens = 8  # the step ran
+    kv.cache_computed_blocks(a)
     # Same 8 tokens: only the first block may hit, so the last token is still computed.
     b = seq("b", range(8))
     hits, n = kv.get_computed_blocks(b)
@@ -109,6 +112,8 @@ def test_manager_allocation_failure_changes_nothing_and_free_order():
     kv = KVCacheManager(num_blocks=3, block_size=2)
     a = seq("a", range(5))
     assert kv.allocate_slots(a, 5) == [0, 1, 2]
+    a.num_computed_tokens = 5
+    kv.cache_computed_blocks(a)
     b = seq("b", [50, 51])
     assert kv.allocate_slots(b, 2) is None
     assert b.block_table == [] and kv.num_free_blocks == 0

@@ -215,3 +215,25 @@ def test_abort_mid_generation_frees_blocks(stories_paths):
     assert out.finished and out.finish_reason == "abort"
     assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks and not engine.has_unfinished_requests()
     assert torch.is_grad_enabled()
+
+
+def test_failed_step_caches_nothing_and_the_engine_recovers(stories_paths, monkeypatch):
+    """A step that raises (here: the model fails in its last layer, after earlier layers wrote
+    K/V) must not leave blocks in the prefix cache or announce them; the next run is exact."""
+    llm = stories_llm(stories_paths, block_size=4)
+    engine = llm.engine
+    expected = stories_llm(stories_paths, block_size=4).generate([STORY], GREEDY)[0].token_ids
+    last_layer = engine.model.model.layers[-1]
+    original = last_layer.forward
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(last_layer, "forward", fail)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate([STORY], GREEDY)
+    assert engine.kv_manager.pool.num_cached_blocks == 0 and engine.take_kv_events() == []
+    assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks and not engine.has_unfinished_requests()
+    monkeypatch.setattr(last_layer, "forward", original)
+    out = llm.generate([STORY], GREEDY)[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == expected

@@ -70,13 +70,17 @@ class KVCacheManager:
         seq.block_table.extend(b.block_id for b in new_blocks)
         rid = seq.request_id
         self._num_cached_blocks[rid] = self._num_cached_blocks.get(rid, 0) + len(computed_blocks)
-        self._cache_full_blocks(seq, min(num_computed + num_new_tokens, seq.num_tokens))
         return [b.block_id for b in new_blocks]
 
-    def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Cache every full block of seq's first num_tokens tokens not cached yet."""
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Enter seq's full blocks whose K/V is written (its num_computed_tokens) into the prefix cache.
+
+        Called after a step has run, never at allocation: a step that fails must not leave blocks
+        in the cache (and announced to routers) that hold no K/V.
+        """
         if not self.enable_prefix_caching:
             return
+        num_tokens = seq.num_computed_tokens
         bs = self.block_size
         start = self._num_cached_blocks[seq.request_id]
         end = num_tokens // bs

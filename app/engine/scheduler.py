@@ -165,6 +165,7 @@ class Scheduler:
         finished = []
         for seq, num_new in out.scheduled:
             seq.num_computed_tokens += num_new
+            self.kv.cache_computed_blocks(seq)
             token = sampled.get(seq.request_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
