@@ -33,9 +33,11 @@ class FP4Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     key_group_size: int = Field(
-        32, ge=2, description="Key values per E4M3 block scale (min(key_group_size, head_dim) is used)."
+        32, ge=2, description="Key values per E4M3 block scale (gcd(key_group_size, head_dim) is used)."
     )
-    value_group_size: int = Field(32, ge=2, description="Value entries per E4M3 block scale.")
+    value_group_size: int = Field(
+        32, ge=2, description="Value entries per E4M3 block scale (gcd(value_group_size, head_dim) is used)."
+    )
     key_outliers: int = Field(
         4, ge=0, le=16, description="Outlier slots per key vector: the largest-magnitude entries kept exactly in bf16."
     )
@@ -52,6 +54,20 @@ class FP4Config(BaseModel):
         description="E2M1 values a group's largest entry may be scaled to; per group the candidate with the "
         "lowest squared error is stored (costs store time, no bytes). (6.0,) is plain NVFP4 scaling.",
     )
+
+    @field_validator("key_group_size", "value_group_size")
+    @classmethod
+    def _even_group(cls, v: int) -> int:
+        if v % 2:
+            raise ValueError(f"group sizes must be even: codes are packed two per byte (got {v})")
+        return v
+
+    @field_validator("scale_targets")
+    @classmethod
+    def _check_targets(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        if not v or not all(0.5 <= t <= 6.0 for t in v):
+            raise ValueError(f"scale_targets must be one or more values in [0.5, 6] (E2M1's range) (got {v})")
+        return v
 
     def formats(self):
         """(K format, V format) for the KV cache."""
@@ -87,7 +103,7 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype. 'auto': float32 on CPU, bfloat16 on GPU."
     )
-    kv_cache_dtype: str = Field(
+    kv_cache_dtype: Literal["fp4", "fp8", "bf16", "fp16", "fp32", "auto"] = Field(
         "bf16",
         description="KV cache format: 'fp4' (4-bit E2M1 with block scales and outliers, see fp4), 'fp8' "
         "(E4M3 with a scale per token and head), 'bf16', 'fp16', 'fp32', or 'auto' (the compute dtype).",

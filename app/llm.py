@@ -50,16 +50,15 @@ class LLM:
                 raise InvalidRequestError(
                     f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; pass one or one each"
                 )
-            params = list(sampling_params)
+            params = [p or SamplingParams() for p in sampling_params]
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
         engine = self.engine
-        for prompt, p in zip(prompts, params):
-            engine.validate(prompt, p)
+        prompt_ids = [engine.validate(prompt, p) for prompt, p in zip(prompts, params)]
         request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
         try:
-            for rid, prompt, p in zip(request_ids, prompts, params):
-                engine.add_request(rid, prompt, p)
+            for rid, prompt, ids, p in zip(request_ids, prompts, prompt_ids, params):
+                engine._add_validated(rid, prompt, ids, p)
             return self._run(request_ids, log_every_s)
         except BaseException:
             engine.abort_request(request_ids)

@@ -185,11 +185,20 @@ def test_bad_requests_raise_and_change_nothing(stories_paths, prompt, params, ma
         ({"logprobs": 50}, "logprobs"),
         ({"stop": [""]}, "stop"),
         ({"seed": "x"}, "seed"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": 7}, "stop_token_ids"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError, match=f"^{field} "):
         SamplingParams(**kwargs)
+
+
+def test_null_stop_fields_mean_none():
+    p = SamplingParams(stop=None, stop_token_ids=None)
+    assert p.stop == [] and p.stop_token_ids == []
+    assert SamplingParams(stop="x").stop == ["x"]
 
 
 def test_unknown_sampling_field_is_rejected():
@@ -237,3 +246,76 @@ def test_failed_step_caches_nothing_and_the_engine_recovers(stories_paths, monke
     monkeypatch.setattr(last_layer, "forward", original)
     out = llm.generate([STORY], GREEDY)[0]
     assert out.num_cached_tokens == 0 and out.token_ids == expected
+
+
+def test_streaming_deltas_add_up_and_stop_string_on_the_last_token(stories_paths):
+    llm = stories_llm(stories_paths)
+    engine = llm.engine
+    full = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40))[0]
+    # Stop at "Lily": max_tokens ends exactly on the token that completes it.
+    n = next(i for i in range(1, 41) if "Lily" in llm.tokenizer.decode(full.token_ids[:i]))
+    engine.add_request("s", "Once upon a time", SamplingParams(temperature=0, max_tokens=n, stop=["Lily"], logprobs=1))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    final = outs[-1]
+    assert final.finished and final.finish_reason == "stop" and final.stop_reason == "Lily"
+    assert "".join(o.delta_text for o in outs) == final.text == full.text[: full.text.index("Lily")]
+    assert sum((o.delta_token_ids for o in outs), []) == final.token_ids == full.token_ids[:n]
+    assert sum((o.delta_logprobs for o in outs), []) == final.logprobs
+    assert all(o.token_ids is None for o in outs[:-1])
+    eos = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=400))[0]
+    assert eos.finish_reason == "stop" and eos.stop_reason == eos.token_ids[-1]
+    assert full.stop_reason is None
+
+
+def test_abort_from_another_thread_while_stepping(stories_paths):
+    import threading
+
+    llm = stories_llm(stories_paths)
+    engine = llm.engine
+    for i in range(16):
+        engine.add_request(str(i), PROMPTS[i % 8], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    errors = []
+
+    def stepper():
+        try:
+            while engine.has_unfinished_requests():
+                engine.step()
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    t = threading.Thread(target=stepper)
+    t.start()
+    for i in range(16):
+        engine.abort_request(str(i))
+    t.join(timeout=60)
+    assert not errors and not t.is_alive()
+    assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_tokenizer_larger_than_model_vocab_is_refused(stories_paths):
+    with pytest.raises(ValueError, match="has 512 tokens but the model's vocab is 320"):
+        LLM(model="tiny-llama", tokenizer=stories_paths[1])
+
+
+@pytest.mark.parametrize("prompt, match", [
+    (5, "prompt must be a string or a list of token ids"),
+    ([1, True], "prompt token ids must be integers"),
+])
+def test_bad_prompt_types(stories_paths, prompt, match):
+    llm = stories_llm(stories_paths)
+    with pytest.raises(InvalidRequestError, match=match):
+        llm.engine.add_request("x", prompt)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_duplicate_request_id_is_refused_and_changes_nothing(stories_paths):
+    engine = stories_llm(stories_paths).engine
+    engine.add_request("dup", "Once", SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="request id 'dup' is already in use"):
+        engine.add_request("dup", "Twice", SamplingParams(max_tokens=2))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    assert [o.request_id for o in outs if o.finished] == ["dup"] and outs[-1].prompt == "Once"

@@ -73,16 +73,31 @@ def test_error_within_half_grid_step_of_the_group_scale():
     assert rel.mean() < 0.11
 
 
-def test_second_level_scale_keeps_any_magnitude():
+@pytest.mark.parametrize("fmt", [FP4Format(), FP4Format(group_size=32, outliers=2, scale_targets=(6.0, 5.0, 4.5, 4.0))])
+def test_second_level_scale_keeps_any_magnitude(fmt):
     torch.manual_seed(1)
     base = torch.randn(64, 128)
-    fmt = FP4Format()
     errors = []
     for mag in (1e-20, 1e-6, 1.0, 1e6, 1e30):
         x = base * mag
         x_hat = fp4_dequantize(fp4_quantize(x, fmt), fmt)
         errors.append(((x - x_hat).norm() / x.norm()).item())
     assert max(errors) - min(errors) < 1e-3, errors  # the same relative error at every scale
+
+
+def test_group_is_gcd_of_group_size_and_head_dim():
+    fmt = FP4Format(group_size=32, outliers=1)
+    assert [fmt.group(d) for d in (8, 48, 80, 96, 128)] == [8, 16, 16, 32, 32]
+    torch.manual_seed(7)
+    x = torch.randn(20, 80)
+    q = fp4_quantize(x, fmt)
+    assert q.scales.shape == (20, 5)
+    assert ((fp4_dequantize(q, fmt) - x).norm() / x.norm()) < 0.11
+    wide = FP4Format()  # no outlier slots: any even head_dim, even beyond uint8 indices
+    y = torch.randn(3, 512)
+    assert ((fp4_dequantize(fp4_quantize(y, wide), wide) - y).norm() / y.norm()) < 0.11
+    with pytest.raises(ValueError, match="with outlier slots head_dim must be <= 256"):
+        fp4_quantize(y, fmt)
 
 
 def test_zeros_and_non_finite():
@@ -214,3 +229,19 @@ def test_scale_search_never_increases_a_groups_error():
     e_search = (fp4_dequantize(fp4_quantize(x, search), search) - x).view(500, 4, 16).square().sum(-1)
     assert (e_search <= e_plain + 1e-9).all()
     assert e_search.sum() < 0.9 * e_plain.sum()  # on Gaussian groups it saves over 10% of the MSE
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"kv_cache_dtype": "int3"}, "kv_cache_dtype"),
+    ({"fp4": {"key_group_size": 3}}, "group sizes must be even"),
+    ({"fp4": {"scale_targets": ()}}, "scale_targets must be one or more values"),
+    ({"fp4": {"scale_targets": (7.0,)}}, "scale_targets must be one or more values"),
+    ({"fp4": {"key_outliers": 17}}, "key_outliers"),
+])
+def test_bad_kv_settings_fail_before_anything_loads(kwargs, match):
+    from pydantic import ValidationError
+
+    from app.config import EngineConfig
+
+    with pytest.raises(ValidationError, match=match):
+        EngineConfig(**kwargs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,20 +31,24 @@ _CPU_DEFAULT_KV_MEMORY = 1 << 30
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What a request has produced so far; the delta fields hold what is new since the last one."""
+    """What a request has produced; the delta fields hold what is new since its previous output."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
+    text: str  # all text so far (cut at a matched stop string)
     delta_text: str
     delta_token_ids: list[int]
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    stop_reason: int | str | None  # the stop string or stop token id that finished it, if any
     num_cached_tokens: int
-    logprobs: list[float] | None = None
+    # Complete lists on the final output only (None before), so streaming stays O(tokens):
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None  # when SamplingParams.logprobs is set
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    delta_logprobs: list[float] | None = None
+    delta_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -51,7 +56,6 @@ class _RequestState:
     seq: Sequence
     prompt: str | None
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
     num_sent_tokens: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = field(default=None)
@@ -64,11 +68,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_tokenizer(config: EngineConfig, vocab_size: int) -> Tokenizer:
+    """The tokenizer of config (or of the model); its ids must all exist in the model's vocab."""
     if config.tokenizer is not None:
-        return load_tokenizer(config.tokenizer)
+        return load_tokenizer(config.tokenizer, vocab_size=vocab_size)
     model = Path(config.model)
     if model.is_dir() and (model / "tokenizer.json").exists():
-        return load_tokenizer(str(model))
+        return load_tokenizer(str(model), vocab_size=vocab_size)
     if config.model in DUMMY_MODELS or config.load_format == "dummy":
         return load_tokenizer(None, vocab_size=vocab_size)
     raise ValueError(f"no tokenizer found for model {config.model!r}; pass tokenizer=<path> "
@@ -105,8 +110,14 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, eos
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        # Sample only ids the tokenizer knows (a model's vocab may be padded beyond it).
+        self.vocab_size = self.tokenizer.vocab_size
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size)
         self._requests: dict[str, _RequestState] = {}
+        self._generators: dict[str, torch.Generator] = {}  # requests with a seed
+        # step(), add_request() and abort_request() may be called from different threads (an
+        # async server steps in a worker thread); an abort waits for the step in flight.
+        self._lock = threading.RLock()
         self._kv_events: list[KVEvent] = []
         self.kv_manager.pool.subscribe(self._kv_events.append)
         self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
@@ -142,28 +153,25 @@ class LLMEngine:
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty")
             return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids (got {type(prompt).__name__})")
         ids = list(prompt)
         if not ids:
             raise InvalidRequestError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}) (got {bad[:5]})")
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size}) (got {bad[:5]})")
         return ids
 
-    def validate(self, prompt: str | Seq[int], params: SamplingParams | None) -> list[int]:
+    def validate(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> list[int]:
         """Check a request without queueing it; returns its prompt token ids.
 
         Raises InvalidRequestError naming what is wrong; changes nothing.
         """
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams (got {type(params).__name__})")
         prompt_ids = self.tokenize(prompt)
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt is {len(prompt_ids)} tokens, longer than max_model_len ({self.max_model_len}) allows "
-                "with at least one output token; shorten the prompt"
-            )
         self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
         return prompt_ids
 
@@ -171,32 +179,37 @@ class LLMEngine:
         self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None
     ) -> None:
         """Queue a request. Raises InvalidRequestError (and changes nothing) if it is invalid."""
-        params = params or SamplingParams()
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        prompt_ids = self.validate(prompt, params)
+        params = SamplingParams() if params is None else params
+        self._add_validated(request_id, prompt, self.validate(prompt, params), params)
+
+    def _add_validated(
+        self, request_id: str, prompt: str | Seq[int], prompt_ids: list[int], params: SamplingParams
+    ) -> None:
+        """add_request for a prompt that validate() accepted."""
         seq = Sequence(request_id, prompt_ids, params)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
         detok = IncrementalDetokenizer(
             self.tokenizer,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
             prompt_token_ids=prompt_ids,
         )
-        state = _RequestState(seq, prompt if isinstance(prompt, str) else None, detok, generator)
+        state = _RequestState(seq, prompt if isinstance(prompt, str) else None, detok)
         if params.logprobs is not None:
             state.logprobs, state.top_logprobs = [], []
-        self.scheduler.add_request(seq)
-        self._requests[request_id] = state
+        with self._lock:
+            self.scheduler.add_request(seq)  # raises (changing nothing) on a duplicate id
+            self._requests[request_id] = state
+            if params.seed is not None:
+                self._generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
 
     def abort_request(self, request_ids: str | Seq[str]) -> list[RequestOutput]:
-        """Stop requests now and free their blocks; unknown or finished ids are ignored."""
+        """Stop requests and free their blocks (after the step in flight, if any); unknown or
+        finished ids are ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        finished = self.scheduler.finish_requests(request_ids, SequenceStatus.FINISHED_ABORTED)
-        return [self._make_output(self._requests.pop(s.request_id)) for s in finished]
+        with self._lock:
+            finished = self.scheduler.finish_requests(request_ids, SequenceStatus.FINISHED_ABORTED)
+            return [self._finish(s.request_id) for s in finished]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -204,50 +217,60 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; outputs of requests with new tokens or finished."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        sampled_seqs, out = self.runner.execute(sched, {r: s.generator for r, s in self._requests.items()
-                                                        if s.generator is not None})
-        sampled = {}
-        if out is not None:
+        with self._lock:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return []
+            sampled_seqs, out = self.runner.execute(sched, self._generators)
+            sampled = {}
             for i, seq in enumerate(sampled_seqs):
                 sampled[seq.request_id] = out.token_ids[i]
                 state = self._requests[seq.request_id]
                 if state.logprobs is not None:
                     state.logprobs.append(out.logprobs[i])
                     state.top_logprobs.append(out.top_logprobs[i])
-        finished = {s.request_id for s in self.scheduler.update_from_output(sched, sampled)}
-        outputs = []
-        for rid, token in sampled.items():
-            state = self._requests[rid]
-            if state.detokenizer.append([token]) is not None and rid not in finished:
-                self.scheduler.finish_requests([rid], SequenceStatus.FINISHED_STOPPED)
-                finished.add(rid)
-            outputs.append(self._make_output(state))
-            if rid in finished:
-                del self._requests[rid]
-        return outputs
+            finished = {s.request_id for s in self.scheduler.update_from_output(sched, sampled)}
+            outputs = []
+            for rid in sampled:
+                state = self._requests[rid]
+                stop = state.detokenizer.append([sampled[rid]])
+                if stop is not None:
+                    # A stop string wins over a length limit reached by the same token.
+                    if rid not in finished:
+                        self.scheduler.finish_requests([rid], SequenceStatus.FINISHED_STOPPED)
+                        finished.add(rid)
+                    state.seq.status = SequenceStatus.FINISHED_STOPPED
+                    state.seq.stop_reason = stop
+                outputs.append(self._finish(rid) if rid in finished else self._make_output(state))
+            return outputs
+
+    def _finish(self, request_id: str) -> RequestOutput:
+        self._generators.pop(request_id, None)
+        return self._make_output(self._requests.pop(request_id))
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
         seq = state.seq
         finished = seq.is_finished
-        new_ids = seq.output_token_ids[state.num_sent_tokens :]
-        state.num_sent_tokens = seq.num_output_tokens
-        return RequestOutput(
+        start, state.num_sent_tokens = state.num_sent_tokens, seq.num_output_tokens
+        out = RequestOutput(
             request_id=seq.request_id,
             prompt=state.prompt,
             prompt_token_ids=seq.prompt_token_ids,
             text=state.detokenizer.output_text,
-            token_ids=list(seq.output_token_ids),
             delta_text=state.detokenizer.get_delta(finished),
-            delta_token_ids=new_ids,
+            delta_token_ids=seq.output_token_ids[start:],
             finished=finished,
             finish_reason=seq.status.finish_reason,
+            stop_reason=seq.stop_reason,
             num_cached_tokens=max(seq.num_cached_tokens, 0),
-            logprobs=None if state.logprobs is None else list(state.logprobs),
-            top_logprobs=None if state.top_logprobs is None else list(state.top_logprobs),
         )
+        if state.logprobs is not None:
+            out.delta_logprobs = state.logprobs[start:]
+            out.delta_top_logprobs = state.top_logprobs[start:]
+        if finished:
+            out.token_ids = seq.output_token_ids
+            out.logprobs, out.top_logprobs = state.logprobs, state.top_logprobs
+        return out
 
     # -- KV events and stats -------------------------------------------------------------------
     def take_kv_events(self) -> list[KVEvent]:

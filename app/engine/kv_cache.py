@@ -8,7 +8,6 @@ block pool hands out ids without knowing the format. Formats register in KV_CACH
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ import torch
 
 from app.config import FP4Config
 from app.engine.attention import AttentionMetadata, causal_attention_ref, decode_attention_ref
+from app.engine.kv_cache_manager import cdiv
 from app.kernels import fp4
 
 
@@ -76,7 +76,7 @@ class KVCache(ABC):
         if decodes:
             rows = [meta.query_start_loc[i] for i in decodes]
             lens = [meta.seq_lens[i] for i in decodes]
-            num_blocks = math.ceil(max(lens) / bs)
+            num_blocks = cdiv(max(lens), bs)
             tables = meta.block_tables[decodes, :num_blocks]  # [d, num_blocks]
             k, v = read_blocks(layer, tables.flatten())  # [d * num_blocks, bs, kvh, hd]
             k = k.view(len(decodes), num_blocks * bs, *k.shape[2:])
@@ -87,7 +87,7 @@ class KVCache(ABC):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             if end - start <= 1:
                 continue  # a decode (done above) or nothing
-            block_ids = meta.block_tables[i, : math.ceil(seq_len / bs)]
+            block_ids = meta.block_tables[i, : cdiv(seq_len, bs)]
             k, v = read_blocks(layer, block_ids)
             k = k.flatten(0, 1)[:seq_len]
             v = v.flatten(0, 1)[:seq_len]
@@ -96,6 +96,7 @@ class KVCache(ABC):
 
 
 _DENSE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DENSE_NAMES = {v: k for k, v in _DENSE_DTYPES.items()}
 
 
 class DenseKVCache(KVCache):
@@ -104,7 +105,7 @@ class DenseKVCache(KVCache):
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device, dtype: torch.dtype) -> None:
         super().__init__(spec, num_blocks, device)
         self.dtype = dtype
-        self.name = {v: k for k, v in _DENSE_DTYPES.items()}[dtype]
+        self.name = _DENSE_NAMES[dtype]
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         # per layer: k, v [num_blocks, block_size, num_kv_heads, head_dim]
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)]
@@ -229,18 +230,19 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> s
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} (got {kv_cache_dtype!r})")
     if kv_cache_dtype == "auto":
-        return {v: k for k, v in _DENSE_DTYPES.items()}[compute_dtype]
+        return _DENSE_NAMES[compute_dtype]
     return kv_cache_dtype
 
 
 FP4Formats = tuple[fp4.FP4Format, fp4.FP4Format]  # (K, V)
+DEFAULT_FP4_FORMATS: FP4Formats = FP4Config().formats()
 
 
 def kv_bytes_per_token(kv_cache_dtype: str, spec: KVCacheSpec, fp4_formats: FP4Formats | None = None) -> int:
     """Bytes of KV cache one token needs across all layers in the given format (metadata included)."""
     name = resolve_kv_cache_dtype(kv_cache_dtype, spec.compute_dtype)
     if name == "fp4":
-        per_layer = FP4KVCache.bytes_per_token_per_layer(spec, fp4_formats or FP4Config().formats())
+        per_layer = FP4KVCache.bytes_per_token_per_layer(spec, fp4_formats or DEFAULT_FP4_FORMATS)
     elif name == "fp8":
         per_layer = FP8KVCache.bytes_per_token_per_layer(spec)
     else:
@@ -253,7 +255,7 @@ def create_kv_cache(
 ) -> KVCache:
     name = resolve_kv_cache_dtype(kv_cache_dtype, spec.compute_dtype)
     if name == "fp4":
-        return FP4KVCache(spec, num_blocks, device, fp4_formats or FP4Config().formats())
+        return FP4KVCache(spec, num_blocks, device, fp4_formats or DEFAULT_FP4_FORMATS)
     if name == "fp8":
         return FP8KVCache(spec, num_blocks, device)
     return DenseKVCache(spec, num_blocks, device, _DENSE_DTYPES[name])

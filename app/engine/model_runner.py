@@ -23,8 +23,9 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str, vocab_size: int) -> None:
         self.model = model
+        self.vocab_size = vocab_size  # ids the tokenizer knows; logits beyond are never sampled
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
         self.device = torch.device(device)
@@ -69,14 +70,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, sched: SchedulerOutput, generators: dict[str, torch.Generator]
-    ) -> tuple[list[Sequence], SamplerOutput | None]:
+    ) -> tuple[list[Sequence], SamplerOutput]:
         """Run one step; returns the sequences that sampled a token and what they sampled."""
         inputs = self.prepare(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         if not inputs.sample_rows:
-            return [], None
+            return [], SamplerOutput([], None, None)
         rows = torch.tensor(inputs.sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # [num_sampled, vocab] float32
+        logits = self.model.compute_logits(hidden[rows])[:, : self.vocab_size]  # [num_sampled, vocab] float32
         seqs = inputs.sample_seqs
         out = self.sampler(
             logits,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from app.engine.errors import InvalidRequestError
@@ -34,14 +35,18 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+        # OpenAI clients send null for "none" and a bare string for one stop string.
+        self.stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        _check(isinstance(self.stop, (list, tuple)), f"stop must be a string or a list of strings (got {self.stop!r})")
+        _check(isinstance(self.stop_token_ids, (list, tuple)),
+               f"stop_token_ids must be a list of token ids (got {self.stop_token_ids!r})")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
         _check(_is_number(self.temperature) and self.temperature >= 0,
-               f"temperature must be a number >= 0 (got {self.temperature!r})")
+               f"temperature must be a finite number >= 0 (got {self.temperature!r})")
         _check(_is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (0, -1)),
                f"top_k must be -1 or 0 (disabled) or an integer >= 1 (got {self.top_k!r})")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
@@ -55,17 +60,13 @@ class SamplingParams:
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be None or an integer in [0, 20] (got {self.logprobs!r})")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check(ok: bool, message: str) -> None:

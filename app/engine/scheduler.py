@@ -29,10 +29,6 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
@@ -60,7 +56,7 @@ class Scheduler:
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
-            raise ValueError(f"request id {seq.request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
         self.check_fits(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
@@ -68,6 +64,11 @@ class Scheduler:
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise RequestTooLargeError unless prompt + max_tokens fits the context and the cache."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise RequestTooLargeError(
+                f"prompt is {num_prompt_tokens} tokens, longer than max_model_len ({self.max_model_len}) "
+                "allows with at least one output token; shorten the prompt"
+            )
         total = num_prompt_tokens + max_tokens
         if total > self.max_model_len:
             raise RequestTooLargeError(
@@ -179,6 +180,7 @@ class Scheduler:
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         params = seq.sampling_params
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            seq.stop_reason = token
             return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH

@@ -45,6 +45,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first schedule
     num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     block_hashes: list[BlockHash] = field(default_factory=list)  # of the full blocks of all tokens
 
     def __post_init__(self) -> None:
@@ -61,10 +62,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         n = self.num_prompt_tokens

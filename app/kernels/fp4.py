@@ -3,9 +3,10 @@
 One vector x of head_dim values (one token, one KV head) is stored as
   codes      [head_dim / 2] uint8     E2M1 codes (sign bit 3, magnitude 0, .5, 1, 1.5, 2, 3, 4, 6),
                                       two per byte: element 2i in the low nibble, 2i+1 in the high
-  scales     [head_dim / G] e4m3      one per group of G = min(16, head_dim) values (as NVFP4)
+  scales     [head_dim / G] e4m3      one per group of G = gcd(group_size, head_dim) values (NVFP4
+                                      uses 16; head_dim 80 with group_size 32 gets groups of 16)
   scale_exp  []             uint8     second-level scale 2^(scale_exp - 127) (E8M0, as MX formats),
-                                      chosen so the largest group scale lands in (224, 448]: E4M3's
+                                      a power of two that keeps every group scale <= 448: E4M3's
                                       range never clips, whatever the vector's magnitude
   out_vals   [k]            bf16      outlier retention: the k largest-magnitude entries, kept
   out_idx    [k]            uint8     in bf16 with their index and left out of the group scales
@@ -20,6 +21,7 @@ Quantization rounds to nearest, ties to even, as the hardware's cvt to e2m1 and 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -48,19 +50,20 @@ class FP4Format:
     scale_targets: tuple[float, ...] = (6.0,)
 
     def group(self, head_dim: int) -> int:
-        return min(self.group_size, head_dim)
+        return math.gcd(self.group_size, head_dim)
 
     def bytes_per_vector(self, head_dim: int) -> int:
         return head_dim // 2 + head_dim // self.group(head_dim) + 1 + 3 * self.outliers
 
     def check(self, head_dim: int) -> None:
-        g = self.group(head_dim)
-        if head_dim % 2 or head_dim % g:
-            raise ValueError(f"fp4 needs head_dim ({head_dim}) even and a multiple of group_size ({g})")
+        if head_dim % 2 or self.group(head_dim) % 2:
+            raise ValueError(f"fp4 needs an even head_dim and an even group (got head_dim {head_dim}, "
+                             f"group gcd({self.group_size}, {head_dim}) = {self.group(head_dim)})")
         if not 0 <= self.outliers <= min(head_dim, 16):
             raise ValueError(f"fp4 outliers must be in [0, {min(head_dim, 16)}] (got {self.outliers})")
-        if head_dim > 256:
-            raise ValueError(f"fp4 outlier indices are uint8: head_dim must be <= 256 (got {head_dim})")
+        if self.outliers and head_dim > 256:
+            raise ValueError(f"fp4 outlier indices are uint8: with outlier slots head_dim must be <= 256 "
+                             f"(got {head_dim})")
         if self.outliers and self.outlier_mode == "zscore" and self.zscore >= math.sqrt(head_dim - 1):
             raise ValueError(f"fp4 zscore ({self.zscore}) must be below sqrt(head_dim - 1) = {math.sqrt(head_dim - 1):.2f}: "
                              "no entry of a vector can lie further from its mean, so no outlier would ever be kept")
@@ -79,10 +82,15 @@ class FP4Tensor(NamedTuple):
 
 
 # -- E2M1 --------------------------------------------------------------------------------------
+@functools.cache
+def _constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, device=device)
+
+
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """float -> 4-bit codes (uint8 0..15), round to nearest even, saturating at +-6."""
     a = x.abs().float()
-    mid = torch.tensor(_E2M1_MIDPOINTS, device=x.device)
+    mid = _constant(_E2M1_MIDPOINTS, x.device)
     code = torch.bucketize(a, mid)  # a == midpoint goes to the lower code
     for m in _TIES_UP:
         code += a == m
@@ -91,7 +99,7 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=codes.device)
+    table = _constant(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), codes.device)
     return table[codes.long()]
 
 
@@ -165,14 +173,18 @@ def fp4_quantize(x: torch.Tensor, fmt: FP4Format, rotation: torch.Tensor | None 
     exp = torch.ceil(torch.log2(top / E4M3_MAX)).clamp(-126, 127)
     exp = torch.where(top > 0, exp, torch.full_like(exp, -127))
     second = torch.exp2(exp)[..., None]  # [..., 1]
+    # Work in units of the second-level scale (a power of two: exact), so that errors squared
+    # neither overflow nor underflow whatever the vector's magnitude.
+    groups_n = groups / second[..., None]
+    amax_n = amax / second
     best = None
     for target in fmt.scale_targets:
         # Map the group's amax to `target` on the E2M1 grid; keep, per group, the lowest error.
-        scales = (amax / target / second).to(torch.float8_e4m3fn)
-        decoded = scales.float() * second
+        scales = (amax_n / target).to(torch.float8_e4m3fn)
+        decoded = scales.float()
         safe = torch.where(decoded > 0, decoded, torch.ones_like(decoded))[..., None]
-        codes = e2m1_encode(groups / safe)
-        err = (e2m1_decode(codes) * safe - groups).square().sum(-1)  # [..., head_dim // g]
+        codes = e2m1_encode(groups_n / safe)
+        err = (e2m1_decode(codes) * safe - groups_n).square().sum(-1)  # [..., head_dim // g]
         if best is None:
             best = [scales, codes, err]
             continue
