@@ -50,3 +50,13 @@ def test_fp4_engine_generates_on_head_dim_128(head_dim_128_model):
     out = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8
     assert llm.engine.kv_manager.num_free_blocks == 64
+
+
+def test_fp4_settings_the_model_cannot_use_fail_before_weights_load(tmp_path, stories_paths):
+    """head_dim 512 leaves uint8 outlier indices no room; the error comes before the (here
+    missing) safetensors are looked for."""
+    config = {"model_type": "llama", "vocab_size": 512, "hidden_size": 1024, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 512}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="with outlier slots head_dim must be <= 256"):
+        LLMEngine(EngineConfig(model=str(tmp_path), tokenizer=stories_paths[1], kv_cache_dtype="fp4"))

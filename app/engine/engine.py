@@ -16,7 +16,7 @@ from app.engine.errors import InvalidRequestError
 from app.engine.kv_cache import KVCacheSpec, create_kv_cache, kv_bytes_per_token
 from app.engine.kv_cache_manager import KVCacheManager, cdiv
 from app.engine.kv_events import KVEvent
-from app.engine.loader import DUMMY_MODELS, load_model
+from app.engine.loader import DUMMY_MODELS, load_model, load_model_config
 from app.engine.model_runner import ModelRunner
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler
@@ -85,11 +85,16 @@ class LLMEngine:
         self.config = config = config or EngineConfig(**kwargs)
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model, self.model_config = load_model(
+        # Everything that can be refused is checked before the weights load.
+        self.model_config = mc = load_model_config(config.model)
+        self.tokenizer = resolve_tokenizer(config, mc.vocab_size)
+        fp4_formats = config.fp4.formats()
+        if config.kv_cache_dtype == "fp4":
+            for fmt in fp4_formats:
+                fmt.check(mc.head_dim)
+        self.model, _ = load_model(
             config.model, device=self.device, dtype=self.dtype, load_format=config.load_format, seed=config.seed
         )
-        mc = self.model_config
-        self.tokenizer = resolve_tokenizer(config, mc.vocab_size)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.kv_spec = KVCacheSpec(
             num_layers=mc.num_hidden_layers,
@@ -98,7 +103,6 @@ class LLMEngine:
             block_size=config.block_size,
             compute_dtype=self.dtype,
         )
-        fp4_formats = config.fp4.formats()
         self.kv_bytes_per_token = kv_bytes_per_token(config.kv_cache_dtype, self.kv_spec, fp4_formats)
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_cache = create_kv_cache(

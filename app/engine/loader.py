@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -60,17 +61,7 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)} (got {load_format!r})")
     path = Path(model)
-    if model in DUMMY_MODELS:
-        config, load = dataclasses.replace(DUMMY_MODELS[model]), None  # a copy: callers may edit it
-    elif path.is_dir() and (path / "config.json").is_file():
-        config = LlamaConfig.from_hf(json.loads((path / "config.json").read_text()))
-        load = _load_safetensors_dir
-    elif path.suffix == ".bin" and path.is_file():
-        config, load = read_llama2c_config(path), _load_llama2c
-    else:
-        raise ValueError(
-            f"cannot load model {model!r}: expected one of the built-in names {sorted(DUMMY_MODELS)}, "
-            f"a directory containing config.json and *.safetensors, or a llama2.c checkpoint file ending in .bin")
+    config, load = _resolve(model)
     device = torch.device(device)
     with torch.device("meta"):
         module = LlamaForCausalLM(config, dtype=dtype)
@@ -82,6 +73,25 @@ def load_model(
         else:
             load(module, path)
     return module.eval(), config
+
+
+def load_model_config(model: str) -> LlamaConfig:
+    """The config of `model` (same forms as load_model), without touching its weights."""
+    return _resolve(model)[0]
+
+
+def _resolve(model: str) -> tuple[LlamaConfig, Callable[[LlamaForCausalLM, Path], None] | None]:
+    """(config, function that loads the weights; None for built-in dummies)."""
+    path = Path(model)
+    if model in DUMMY_MODELS:
+        return dataclasses.replace(DUMMY_MODELS[model]), None  # a copy: callers may edit it
+    if path.is_dir() and (path / "config.json").is_file():
+        return LlamaConfig.from_hf(json.loads((path / "config.json").read_text())), _load_safetensors_dir
+    if path.suffix == ".bin" and path.is_file():
+        return read_llama2c_config(path), _load_llama2c
+    raise ValueError(
+        f"cannot load model {model!r}: expected one of the built-in names {sorted(DUMMY_MODELS)}, "
+        f"a directory containing config.json and *.safetensors, or a llama2.c checkpoint file ending in .bin")
 
 
 def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
