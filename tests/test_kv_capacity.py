@@ -42,7 +42,7 @@ def test_same_budget_holds_3_4x_more_tokens_in_fp4(head_dim_128_model):
 def _tensors(cache):
     if hasattr(cache, "k_cache"):
         return cache.k_cache + cache.v_cache
-    return [t for page in cache.pages for t in (page.values() if isinstance(page, dict) else page)]
+    return [t for page in cache.pages for t in page]
 
 
 def test_fp4_engine_generates_on_head_dim_128(head_dim_128_model):

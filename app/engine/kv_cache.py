@@ -2,8 +2,8 @@
 
 A block holds `block_size` tokens of one layer. Every format keeps all arrays of a block
 (values, and for quantized formats codes, scales, outliers) under the same block id, so the
-block pool hands out ids without knowing the format. Formats register in KV_CACHE_FORMATS;
-`create_kv_cache` picks one by its `kv_cache_dtype` name.
+block pool hands out ids without knowing the format. `create_kv_cache` picks the class by its
+`kv_cache_dtype` name; `kv_bytes_per_token` gives the exact bytes each format allocates.
 """
 
 from __future__ import annotations
@@ -134,15 +134,14 @@ class FP8KVCache(KVCache):
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device) -> None:
         super().__init__(spec, num_blocks, device)
         page = (num_blocks, spec.block_size, spec.num_kv_heads)
+        # pages[2 * layer] holds K, pages[2 * layer + 1] holds V: (values, scale)
         self.pages = [
-            {
-                f"{kv}_values": torch.zeros(*page, spec.head_dim, dtype=torch.float8_e4m3fn, device=self.device),
-                f"{kv}_scale": torch.zeros(page, dtype=torch.float32, device=self.device),
-            }
-            for _ in range(spec.num_layers)
-            for kv in ("k", "v")
+            (
+                torch.zeros(*page, spec.head_dim, dtype=torch.float8_e4m3fn, device=self.device),
+                torch.zeros(page, dtype=torch.float32, device=self.device),
+            )
+            for _ in range(2 * spec.num_layers)
         ]
-        # pages[2 * layer] holds K, pages[2 * layer + 1] holds V
 
     @classmethod
     def bytes_per_token_per_layer(cls, spec: KVCacheSpec) -> int:
@@ -150,18 +149,16 @@ class FP8KVCache(KVCache):
 
     def store(self, layer, key, value, slot_mapping) -> None:
         quantized = [fp4.fp8_quantize(key), fp4.fp8_quantize(value)]  # both checked before any write
-        for kv, (values, scale) in zip(("k", "v"), quantized):
-            page = self.pages[2 * layer + (kv == "v")]
-            page[f"{kv}_values"].view(-1, *values.shape[1:])[slot_mapping] = values
-            page[f"{kv}_scale"].view(-1, scale.shape[1])[slot_mapping] = scale
+        for i, (values, scale) in enumerate(quantized):
+            page_values, page_scale = self.pages[2 * layer + i]
+            page_values.view(-1, *values.shape[1:])[slot_mapping] = values
+            page_scale.view(-1, scale.shape[1])[slot_mapping] = scale
 
     def read_blocks(self, layer, block_ids):
         dt = self.spec.compute_dtype
-        out = []
-        for kv in ("k", "v"):
-            page = self.pages[2 * layer + (kv == "v")]
-            out.append(fp4.fp8_dequantize(page[f"{kv}_values"][block_ids], page[f"{kv}_scale"][block_ids]).to(dt))
-        return out[0], out[1]
+        k, v = (fp4.fp8_dequantize(values[block_ids], scale[block_ids]).to(dt)
+                for values, scale in self.pages[2 * layer : 2 * layer + 2])
+        return k, v
 
 
 class FP4KVCache(KVCache):
@@ -192,7 +189,7 @@ class FP4KVCache(KVCache):
                 ))
 
     @classmethod
-    def bytes_per_token_per_layer(cls, spec: KVCacheSpec, formats=None) -> int:
+    def bytes_per_token_per_layer(cls, spec: KVCacheSpec, formats: tuple[fp4.FP4Format, fp4.FP4Format]) -> int:
         return spec.num_kv_heads * sum(fmt.bytes_per_vector(spec.head_dim) for fmt in formats)
 
     def store(self, layer, key, value, slot_mapping) -> None:
