@@ -132,6 +132,15 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of identical prefixes.")
     device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1', ...")
     seed: int = Field(0, description="Seed of dummy weights and of unseeded sampling.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64,
+        description="Shards of the model: attention heads, KV heads and MLP columns split across this many "
+        "workers (one per GPU of a node; NCCL on GPUs, gloo on CPU). 1 runs the model in the engine's process.",
+    )
+    distributed_backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="torch.distributed backend between tensor-parallel workers. 'auto': nccl on "
+        "CUDA, gloo on CPU.",
+    )
 
     @field_validator("kv_cache_memory")
     @classmethod
