@@ -151,3 +151,65 @@ class EngineConfig(BaseModel):
         if n <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 (got {v!r})")
         return n
+
+
+class PlacementConfig(BaseModel):
+    """Where one LLMServer replica runs: a placement group sized to a node.
+
+    tensor_parallel_size > 1: one bundle per tensor-parallel worker ({"GPU": 1, "CPU":
+    cpus_per_worker} on GPU), packed by `strategy`; bundle 0 also holds the replica itself
+    (replica_cpus). tensor_parallel_size 1: one bundle that holds the replica, which runs the
+    engine in its own process (with the GPU on GPU devices).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK",
+        description="Placement-group strategy. STRICT_PACK keeps a replica's workers on one node; a replica "
+        "that does not fit any node stays pending instead of being split.",
+    )
+    cpus_per_worker: float | None = Field(
+        None, ge=0, description="CPUs of each tensor-parallel worker's bundle. Default: 1 on GPU, 0.1 on CPU."
+    )
+    replica_cpus: float | None = Field(
+        None, ge=0, description="CPUs of the replica process (the engine loop). Default: 1 on GPU, 0.2 on CPU."
+    )
+
+
+class ServerConfig(BaseModel):
+    """Settings of the application `serve run serve_config.yaml` builds (the `args:` of the YAML).
+
+    Deployment options (num_replicas, ray_actor_options, max_ongoing_requests, ...) go under
+    `deployments:` of the YAML, by deployment name (LLMServer, OpenAIIngress), the standard Ray
+    Serve way; what is set there wins over what the builder derives from these settings.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The engine of every replica.")
+    model_id: str | None = Field(
+        None, description="Model name clients send and /v1/models lists. Default: the model's directory or "
+        "file name (e.g. 'tiny-llama').",
+    )
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Placement of each replica.")
+    max_queued_requests: int = Field(
+        1024, ge=1, description="Requests a replica queues before refusing new ones with 503 + Retry-After.",
+    )
+    retry_after_s: int = Field(1, ge=1, description="Retry-After (seconds) sent with 429/503 answers.")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="Accepted API keys (Authorization: Bearer <key>). Also read from the env var APP_API_KEYS "
+        "(comma-separated). None set: no authentication.",
+    )
+    kv_events_period_s: float = Field(
+        0.1, gt=0, description="How often a replica publishes its batched KV events (for the KV-aware router)."
+    )
+
+    @property
+    def served_model_id(self) -> str:
+        if self.model_id:
+            return self.model_id
+        import os.path
+
+        return os.path.basename(os.path.normpath(self.engine.model)) or self.engine.model

@@ -3,3 +3,11 @@
 
 class InvalidRequestError(ValueError):
     """The request is invalid; the message says which field and what to do. Nothing was changed."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are queued; retry later (HTTP 503 with Retry-After)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has failed; the replica must be restarted (its health check fails)."""

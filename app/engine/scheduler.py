@@ -49,6 +49,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Counters since start, for metrics.
+        self.num_preemptions_total = 0
+        self.num_prefix_hit_tokens_total = 0  # prompt tokens served by the prefix cache
+        self.num_prompt_tokens_total = 0  # prompt tokens of requests scheduled for the first time
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -143,6 +147,8 @@ class Scheduler:
                 self.waiting.popleft()
                 if seq.num_cached_tokens < 0:
                     seq.num_cached_tokens = num_hit_tokens
+                    self.num_prefix_hit_tokens_total += num_hit_tokens
+                    self.num_prompt_tokens_total += seq.num_prompt_tokens
                 seq.num_computed_tokens = num_hit_tokens
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
@@ -155,6 +161,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
+        self.num_preemptions_total += 1
         self.waiting.appendleft(seq)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:

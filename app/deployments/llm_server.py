@@ -1,0 +1,166 @@
+"""LLMServer: one engine replica (one node's worth of GPUs), as a Ray Serve deployment.
+
+The ingress tokenizes and sends a `GenerateRequest`; `generate` streams the engine's
+`RequestOutput` deltas back (call it with `handle.options(stream=True)`). A caller that goes away
+cancels the stream, which aborts the request and frees its KV blocks. The replica also reports
+routing stats (Ray Serve calls `record_routing_stats` periodically) and keeps its KV events in
+numbered batches for the KV-aware router to consume.
+
+The engine class is injected (`engine_cls`), so a test can run the server on any engine with the
+same interface; by default it is AsyncLLMEngine over our LLMEngine.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from app.config import ServerConfig
+from app.engine.async_engine import AsyncLLMEngine
+from app.engine.engine import RequestOutput
+from app.engine.kv_events import KVEvent
+from app.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_MAX_KV_EVENT_BATCHES = 4096  # kept for consumers that poll; older batches are dropped
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One engine request, as the ingress (or a Python caller) sends it to a replica."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None  # the text, for outputs; the engine only reads the ids
+    session_id: str | None = None  # agent session (x-session-id or `user`), for routing
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the prompt's full blocks
+
+
+@dataclass(slots=True)
+class KVEventBatch:
+    """KV events of one publishing period, numbered so a consumer can detect gaps."""
+
+    seq: int  # 1, 2, 3, ... per replica
+    ts: float  # time.time() when the batch was cut
+    replica_id: str
+    events: list[KVEvent]
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    model_id: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    kv_cache_dtype: str
+    tensor_parallel_size: int
+    num_kv_blocks: int
+
+
+class LLMServer:
+    """The engine replica. Ray Serve deployment name: LLMServer (see builder.py)."""
+
+    def __init__(self, config: ServerConfig | dict, engine_cls=AsyncLLMEngine) -> None:
+        self.config = config = ServerConfig.model_validate(config)
+        self.replica_id = _replica_id()
+        self._pending_events: list[KVEvent] = []
+        self._events_lock = threading.Lock()
+        self._batches: collections.deque[KVEventBatch] = collections.deque(maxlen=_MAX_KV_EVENT_BATCHES)
+        self._next_batch_seq = 1
+        self._last_cut = time.monotonic()
+        t0 = time.perf_counter()
+        self.engine = engine_cls(
+            config.engine, max_queued_requests=config.max_queued_requests, on_kv_events=self._on_kv_events
+        )
+        inner = self.engine.engine
+        self.info = ModelInfo(
+            model_id=config.served_model_id,
+            max_model_len=inner.max_model_len,
+            vocab_size=inner.vocab_size,
+            block_size=config.engine.block_size,
+            kv_cache_dtype=config.engine.kv_cache_dtype,
+            tensor_parallel_size=config.engine.tensor_parallel_size,
+            num_kv_blocks=inner.num_kv_blocks,
+        )
+        logger.info("LLMServer %s ready in %.1f s: %s", self.replica_id, time.perf_counter() - t0, self.info)
+
+    # -- requests ------------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs. Raises InvalidRequestError / EngineOverloadedError /
+        EngineDeadError (typed, through the handle) before the first output."""
+        async for out in self.engine.generate(
+            request.prompt_token_ids, request.sampling_params, request_id=request.request_id
+        ):
+            if request.prompt is not None:
+                out.prompt = request.prompt
+            yield out
+
+    async def model_info(self) -> ModelInfo:
+        return self.info
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    # -- health, stats, events -----------------------------------------------------------------
+    async def check_health(self) -> None:
+        """Ray Serve calls this periodically; raising marks the replica unhealthy (restarted)."""
+        self.engine.check_health()
+
+    def stats(self) -> dict:
+        """Engine state and counters (as of the latest step), for /metrics and the router."""
+        return {**self.engine.snapshot, "replica_id": self.replica_id, "kv_event_seq": self._next_batch_seq - 1}
+
+    async def get_stats(self) -> dict:
+        return self.stats()
+
+    def record_routing_stats(self) -> dict:
+        """Ray Serve's hook (request_router_config.request_routing_stats_period_s): what a request
+        router sees of this replica as `replica.routing_stats`."""
+        self._cut_batch()
+        s = self.stats()
+        return {k: s[k] for k in ("num_running", "num_waiting", "num_queued_tokens", "num_free_kv_blocks",
+                                  "num_kv_blocks", "kv_event_seq")}
+
+    def _on_kv_events(self, events: list[KVEvent]) -> None:  # engine thread
+        with self._events_lock:
+            self._pending_events.extend(events)
+        if time.monotonic() - self._last_cut >= self.config.kv_events_period_s:
+            self._cut_batch()
+
+    def _cut_batch(self) -> None:
+        with self._events_lock:
+            self._last_cut = time.monotonic()
+            if not self._pending_events:
+                return
+            batch = KVEventBatch(self._next_batch_seq, time.time(), self.replica_id, self._pending_events)
+            self._pending_events = []
+            self._next_batch_seq += 1
+            self._batches.append(batch)
+
+    async def kv_event_batches(self, after_seq: int = 0) -> list[KVEventBatch]:
+        """Batches numbered above `after_seq`, oldest first (pending events are cut first). A
+        consumer whose `after_seq` is older than the oldest kept batch has missed events and
+        should drop what it knows of this replica (the first batch's seq tells it)."""
+        self._cut_batch()
+        with self._events_lock:
+            return [b for b in self._batches if b.seq > after_seq]
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not running inside Ray Serve (a unit test)
+        return "local"

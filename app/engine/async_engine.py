@@ -1,0 +1,218 @@
+"""AsyncLLMEngine: the engine stepped by a background thread, one async stream per request.
+
+The thread owns the engine: it applies queued adds and aborts, runs `step()`, and hands each
+request's outputs to that request's asyncio queue. Callers never take the engine's lock from the
+event loop, so a long step never blocks a server's other coroutines. A caller that stops
+consuming its stream (a client disconnect cancels it) aborts the request, and its KV blocks are
+freed before the next step. No Ray here: the Ray Serve deployment wraps this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence as Seq
+from dataclasses import dataclass
+
+from app.config import EngineConfig
+from app.engine.engine import LLMEngine, RequestOutput
+from app.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from app.engine.kv_events import KVEvent
+from app.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: str | Seq[int]
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class AsyncLLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        max_queued_requests: int | None = None,
+        engine: LLMEngine | None = None,
+        on_kv_events: Callable[[list[KVEvent]], None] | None = None,
+    ) -> None:
+        """`max_queued_requests`: most requests waiting for their first step (None: no limit);
+        beyond it `generate` raises EngineOverloadedError. `on_kv_events` is called from the engine
+        thread after each step that changed the prefix cache."""
+        self.engine = engine if engine is not None else LLMEngine(config)
+        self.max_queued_requests = max_queued_requests
+        self.on_kv_events = on_kv_events
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._adds: deque[_Add] = deque()
+        self._aborts: deque[str] = deque()
+        self._wake = threading.Event()
+        self._stopped = False
+        self.dead_error: BaseException | None = None
+        self.num_steps = 0
+        self.snapshot: dict = self._snapshot()  # engine state after the latest step (engine thread)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- caller side (event loop) ---------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None or not self._thread.is_alive()
+
+    def num_queued(self) -> int:
+        return self.engine.scheduler.num_waiting + len(self._adds)
+
+    def check_health(self) -> None:
+        if self.is_dead:
+            raise EngineDeadError(f"engine loop stopped: {self.dead_error!r}")
+
+    async def generate(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (deltas; the last one has finished=True).
+
+        Raises InvalidRequestError (nothing queued) for a bad request, EngineOverloadedError when
+        the queue is full, EngineDeadError when the engine loop has failed. Stopping the iteration
+        early (or cancelling the task consuming it) aborts the request.
+        """
+        self.check_health()
+        params = SamplingParams() if params is None else params
+        prompt_ids = self.engine.validate(prompt, params)  # raises InvalidRequestError
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if self.max_queued_requests is not None and self.num_queued() >= self.max_queued_requests:
+            raise EngineOverloadedError(
+                f"{self.num_queued()} requests are queued (max_queued_requests={self.max_queued_requests}); "
+                "retry later"
+            )
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._adds.append(_Add(request_id, prompt, prompt_ids, params))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                while not queue.empty() and not out.finished:  # a slow reader gets merged deltas
+                    nxt = queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        raise nxt
+                    out = _merge(out, nxt)
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._aborts.append(request_id)
+                self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its stream ends with finish_reason 'abort'); unknown ids are ignored."""
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, queue = target
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                self._aborts.append(request_id)
+
+    def _apply_queued(self) -> None:
+        engine = self.engine
+        while self._aborts:
+            rid = self._aborts.popleft()
+            for out in engine.abort_request(rid):
+                self._deliver(rid, out)
+        while self._adds:
+            add = self._adds.popleft()
+            if add.request_id not in self._streams:
+                continue  # cancelled before it was queued
+            try:
+                engine._add_validated(add.request_id, add.prompt, add.prompt_ids, add.params)
+            except InvalidRequestError as e:
+                self._deliver(add.request_id, e)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopped:
+            try:
+                self._apply_queued()
+                if not engine.has_unfinished_requests():
+                    self.snapshot = self._snapshot()
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                t0 = time.perf_counter()
+                outputs = engine.step()
+                self.num_steps += 1
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+                self.snapshot = self._snapshot()
+                events = engine.take_kv_events()
+                if events and self.on_kv_events is not None:
+                    self.on_kv_events(events)
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("step %d: %d outputs in %.1f ms", self.num_steps, len(outputs),
+                                 1e3 * (time.perf_counter() - t0))
+            except BaseException as e:  # the engine is broken: fail every stream, stop stepping
+                logger.exception("engine loop failed; failing %d requests", len(self._streams))
+                self.dead_error = e
+                err = EngineDeadError(f"engine step failed: {e!r}")
+                for rid in list(self._streams):
+                    self._deliver(rid, err)
+                return
+
+
+    def _snapshot(self) -> dict:
+        """Engine state and counters (taken in the engine thread, read from any thread)."""
+        engine = self.engine
+        sched = engine.scheduler
+        queued = sum(s.num_tokens - s.num_computed_tokens for s in (*sched.running, *sched.waiting))
+        return {
+            **engine.stats(),
+            "num_queued_tokens": queued,  # tokens still to prefill or recompute
+            "num_preemptions_total": sched.num_preemptions_total,
+            "num_prefix_hit_tokens_total": sched.num_prefix_hit_tokens_total,
+            "num_prompt_tokens_total": sched.num_prompt_tokens_total,
+            "num_steps_total": self.num_steps,
+        }
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """`b` with `a`'s deltas prepended (two consecutive outputs of one request)."""
+    b.delta_text = a.delta_text + b.delta_text
+    b.delta_token_ids = a.delta_token_ids + b.delta_token_ids
+    if a.delta_logprobs is not None and b.delta_logprobs is not None:
+        b.delta_logprobs = a.delta_logprobs + b.delta_logprobs
+        b.delta_top_logprobs = a.delta_top_logprobs + b.delta_top_logprobs
+    return b

@@ -1,0 +1,147 @@
+"""AsyncLLMEngine: streams equal offline generation; cancellation aborts and frees blocks."""
+
+import asyncio
+
+import pytest
+
+from app.engine.async_engine import AsyncLLMEngine
+from app.engine.engine import LLMEngine
+from app.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from app.engine.sampling_params import SamplingParams
+from app.llm import LLM
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day"]
+
+
+@pytest.fixture
+def engine(stories_paths):
+    model, tok = stories_paths
+    eng = AsyncLLMEngine(engine=LLMEngine(model=model, tokenizer=tok, num_kv_blocks=64))
+    yield eng
+    eng.shutdown()
+
+
+async def _collect(eng, prompt, params, request_id=None):
+    outs = [o async for o in eng.generate(prompt, params, request_id=request_id)]
+    return outs
+
+
+def test_concurrent_streams_match_offline(engine, stories_paths):
+    model, tok = stories_paths
+    params = SamplingParams(temperature=0, max_tokens=24)
+    expected = [o.text for o in LLM(model=model, tokenizer=tok).generate(PROMPTS, params)]
+
+    async def main():
+        return await asyncio.gather(*(_collect(engine, p, params) for p in PROMPTS))
+
+    for outs, text in zip(asyncio.run(main()), expected):
+        assert "".join(o.delta_text for o in outs) == text
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+        assert not any(o.finished for o in outs[:-1])
+        assert outs[-1].token_ids == [t for o in outs for t in o.delta_token_ids]
+
+
+def test_cancel_aborts_and_frees_blocks(engine):
+    free = engine.engine.kv_manager.num_free_blocks
+
+    async def main():
+        agen = engine.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=200))
+        n = 0
+        async for _ in agen:
+            n += 1
+            if n == 3:
+                break
+        await agen.aclose()  # what a disconnected client's cancelled stream does
+        for _ in range(200):
+            if not engine.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        # then the engine keeps serving
+        return await _collect(engine, "One day", SamplingParams(temperature=0, max_tokens=5))
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished
+    assert not engine.engine.has_unfinished_requests()
+    # freed blocks stay in the prefix cache but count as free
+    assert engine.engine.kv_manager.num_free_blocks == free
+
+
+def test_task_cancel_aborts(engine):
+    async def main():
+        async def consume():
+            async for _ in engine.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=500)):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if not engine.engine.has_unfinished_requests():
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert asyncio.run(main())
+
+
+def test_bad_request_raises_and_changes_nothing(engine):
+    async def main():
+        with pytest.raises(InvalidRequestError, match="max_tokens"):
+            await _collect(engine, "hi", SamplingParams(max_tokens=100_000))
+        with pytest.raises(InvalidRequestError, match="empty"):
+            await _collect(engine, "", SamplingParams())
+        agen = engine.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=50), request_id="dup")
+        first = await agen.__anext__()
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            await _collect(engine, "hi", SamplingParams(), request_id="dup")
+        rest = [o async for o in agen]
+        return [first, *rest]
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert engine.num_queued() == 0
+
+
+def test_overload_refuses_beyond_queue(stories_paths):
+    model, tok = stories_paths
+    eng = AsyncLLMEngine(engine=LLMEngine(model=model, tokenizer=tok, num_kv_blocks=64, max_num_seqs=1),
+                         max_queued_requests=1)
+    try:
+        async def main():
+            params = SamplingParams(temperature=0, max_tokens=40)
+            running = eng.generate("Once upon a time", params)
+            await running.__anext__()  # running, so it is no longer queued
+            queued = asyncio.create_task(_collect(eng, "One day", params))
+            await asyncio.sleep(0)  # let it queue
+            with pytest.raises(EngineOverloadedError, match="max_queued_requests=1"):
+                await _collect(eng, "The dog", params)
+            rest = [o async for o in running]
+            return rest[-1], (await queued)[-1]
+
+        a, b = asyncio.run(main())
+        assert a.finished and b.finished
+    finally:
+        eng.shutdown()
+
+
+def test_failed_step_fails_streams_and_health(stories_paths):
+    model, tok = stories_paths
+    inner = LLMEngine(model=model, tokenizer=tok, num_kv_blocks=64)
+    eng = AsyncLLMEngine(engine=inner)
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    inner.step = broken_step
+    try:
+        async def main():
+            with pytest.raises(EngineDeadError, match="device lost"):
+                await _collect(eng, "Once upon a time", SamplingParams(max_tokens=5))
+
+        asyncio.run(main())
+        with pytest.raises(EngineDeadError):
+            eng.check_health()
+    finally:
+        eng.shutdown()
