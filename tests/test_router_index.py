@@ -1,0 +1,111 @@
+"""Prefix index and KV event wire format: exact expectations, no Ray."""
+
+import msgpack
+import pytest
+
+from app.engine.block_hash import hash_request_tokens
+from app.engine.engine import LLMEngine
+from app.engine.sampling_params import SamplingParams
+from app.router.events import (
+    AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch, event_from_wire,
+)
+from app.router.index import PrefixIndex
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def stored(*hashes, parent=None):
+    return BlockStored(list(hashes), parent, [0] * (2 * len(hashes)), 2)
+
+
+def test_match_counts_leading_blocks_per_replica():
+    idx = PrefixIndex()
+    idx.apply("a", stored(1, 2, 3))
+    idx.apply("b", stored(1, 2))
+    idx.apply("c", stored(2, 3))  # holds later blocks but not the first: no prefix
+    assert idx.match([1, 2, 3, 4]) == {"a": 3, "b": 2}
+    assert idx.match([1]) == {"a": 1, "b": 1}
+    assert idx.match([9, 1]) == {}
+    assert idx.match([]) == {}
+
+
+def test_removed_block_cuts_the_prefix_there():
+    idx = PrefixIndex()
+    idx.apply("a", stored(1, 2, 3))
+    idx.apply("a", BlockRemoved([2]))
+    assert idx.match([1, 2, 3]) == {"a": 1}
+    idx.apply("a", BlockRemoved([2, 42]))  # removing twice or unknown hashes is harmless
+    assert idx.num_blocks_of("a") == 2
+
+
+def test_cleared_and_removed_replica_leave_nothing():
+    idx = PrefixIndex()
+    idx.apply("a", stored(1, 2))
+    idx.apply("b", stored(1, 2, 3))
+    idx.apply("a", AllBlocksCleared())
+    assert idx.match([1, 2, 3]) == {"b": 3}
+    idx.remove_replica("b")
+    assert idx.match([1, 2, 3]) == {}
+    assert idx.num_blocks == 0 and idx.replicas == []
+
+
+def test_eviction_drops_least_recently_used_hashes():
+    idx = PrefixIndex(max_blocks=3)
+    idx.apply("a", stored(1, 2, 3))
+    assert idx.match([1]) == {"a": 1}  # touches 1: now 2 is the oldest
+    idx.apply("b", stored(4))
+    assert idx.num_blocks == 3
+    assert idx.match([1, 2, 3]) == {"a": 1}  # 2 was evicted
+    assert idx.match([4]) == {"b": 1}
+    assert idx.num_blocks_of("a") == 2
+
+
+def test_predicted_entries_expire_unless_confirmed():
+    clock = Clock()
+    idx = PrefixIndex(predicted_ttl_s=10, clock=clock)
+    idx.record_routed("a", [1, 2, 3])
+    idx.record_routed("b", [1])
+    assert idx.match([1, 2, 3]) == {"a": 3, "b": 1}
+    idx.apply("a", stored(1, 2))  # the replica's events arrive for the first two blocks
+    clock.t = 11
+    assert idx.match([1, 2, 3]) == {"a": 2}
+    idx.record_routed("a", [1])  # a later prediction never downgrades a confirmed entry
+    clock.t = 100
+    assert idx.match([1, 2]) == {"a": 2}
+
+
+def test_wire_format_round_trip_and_vllm_layout():
+    events = [BlockStored([11, 12], None, list(range(8)), 4), BlockRemoved([11]), AllBlocksCleared()]
+    payload = encode_batch(123.5, events)
+    ts, back = decode_batch(payload)
+    assert ts == 123.5 and back == events
+    # vLLM's layout: [ts, [[tag, fields...], ...]] with lora_id and medium after block_size
+    raw = msgpack.unpackb(payload)
+    assert raw == [123.5, [["BlockStored", [11, 12], None, list(range(8)), 4, None, None],
+                           ["BlockRemoved", [11], None], ["AllBlocksCleared"]]]
+    # a vLLM batch with a trailing data_parallel_rank and events without the optional fields
+    vllm = msgpack.packb([1.0, [["BlockStored", [5], 4, [1, 2], 2, None, "gpu"], ["BlockRemoved", [5]]], 0])
+    assert decode_batch(vllm) == (1.0, [BlockStored([5], 4, [1, 2], 2), BlockRemoved([5])])
+    with pytest.raises(ValueError, match="unknown or short KV event"):
+        event_from_wire(["BlockMoved", [1]])
+
+
+def test_engine_and_router_hashes_agree(stories_paths):
+    """The blocks an engine reports storing are exactly the hashes the ingress computes."""
+    model, tok = stories_paths
+    engine = LLMEngine(model=model, tokenizer=tok, num_kv_blocks=64, block_size=4)
+    prompt_ids = engine.tokenize("Once upon a time, there was a little girl named Lily")
+    engine.add_request("r", prompt_ids, SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    idx = PrefixIndex()
+    idx.apply_all("replica", engine.take_kv_events())
+    expected = hash_request_tokens(prompt_ids, 4)
+    assert len(expected) == len(prompt_ids) // 4 >= 3
+    assert idx.match(expected) == {"replica": len(expected)}
