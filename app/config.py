@@ -205,6 +205,9 @@ class ServerConfig(BaseModel):
     kv_events_period_s: float = Field(
         0.1, gt=0, description="How often a replica publishes its batched KV events (for the KV-aware router)."
     )
+    router: "RouterConfig" = Field(
+        default_factory=lambda: RouterConfig(), description="The KV-aware router in front of the replicas."
+    )
 
     @property
     def served_model_id(self) -> str:
@@ -213,3 +216,36 @@ class ServerConfig(BaseModel):
         import os.path
 
         return os.path.basename(os.path.normpath(self.engine.model)) or self.engine.model
+
+
+class RouterConfig(BaseModel):
+    """The KV-aware router of the LLMServer deployment (app/router/)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        True, description="Route by cached prefix blocks, session and load (KVAwareRouter). False: Ray Serve's "
+        "default power-of-two-choices router.",
+    )
+    load_factor: float = Field(
+        1.25, ge=1, description="A replica takes new work only while its load is at most this times the mean "
+        "load (+1), or within `slack` of the least loaded replica; otherwise it is skipped.",
+    )
+    slack: int = Field(2, ge=0, description="Requests above the least loaded replica a replica may always carry.")
+    min_match_blocks: int = Field(
+        1, ge=1, description="Cached prefix blocks below this count as no match (then the session id decides)."
+    )
+    index_max_blocks: int = Field(
+        1_000_000, ge=1, description="Block hashes the shared index keeps (about 200 B each); least recently "
+        "used beyond that are dropped.",
+    )
+    predicted_ttl_s: float = Field(
+        30.0, gt=0, description="How long a block assumed from routing history counts before the replica's KV "
+        "events confirm it.",
+    )
+    routing_stats_period_s: float = Field(
+        1.0, gt=0, description="How often Ray Serve collects each replica's routing stats.",
+    )
+
+
+ServerConfig.model_rebuild()

@@ -68,7 +68,15 @@ class LLMServer:
 
     def __init__(self, config: ServerConfig | dict, engine_cls=AsyncLLMEngine) -> None:
         self.config = config = ServerConfig.model_validate(config)
-        self.replica_id = _replica_id()
+        self.replica_id, app_name = _replica_identity()
+        # The application's shared KV index (the KV-aware router reads it); None outside Ray Serve.
+        self._index = None
+        if app_name is not None and config.router.enabled:
+            from app.router.kv_router import get_or_create_index
+
+            self._index = get_or_create_index(
+                app_name, max_blocks=config.router.index_max_blocks, predicted_ttl_s=config.router.predicted_ttl_s
+            )
         self._pending_events: list[KVEvent] = []
         self._events_lock = threading.Lock()
         self._batches: collections.deque[KVEventBatch] = collections.deque(maxlen=_MAX_KV_EVENT_BATCHES)
@@ -142,6 +150,10 @@ class LLMServer:
             self._pending_events = []
             self._next_batch_seq += 1
             self._batches.append(batch)
+            if self._index is not None:
+                from app.router.events import encode_batch
+
+                self._index.publish.remote(self.replica_id, batch.seq, encode_batch(batch.ts, batch.events))
 
     async def kv_event_batches(self, after_seq: int = 0) -> list[KVEventBatch]:
         """Batches numbered above `after_seq`, oldest first (pending events are cut first). A
@@ -157,10 +169,12 @@ class LLMServer:
             engine.shutdown()
 
 
-def _replica_id() -> str:
+def _replica_identity() -> tuple[str, str | None]:
+    """(replica id, application name) inside Ray Serve; ("local", None) outside it."""
     try:
         from ray import serve
 
-        return serve.get_replica_context().replica_id.unique_id
+        replica_id = serve.get_replica_context().replica_id
     except Exception:  # not running inside Ray Serve (a unit test)
-        return "local"
+        return "local", None
+    return replica_id.unique_id, replica_id.deployment_id.app_name

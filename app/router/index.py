@@ -106,19 +106,27 @@ class PrefixIndex:
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[ReplicaId, int]:
         """Leading blocks of `block_hashes` each replica holds (replicas holding none are left out)."""
         now = self._clock()
+        blocks = self._blocks
         result: dict[ReplicaId, int] = {}
-        alive: set[ReplicaId] | None = None
+        alive: set[ReplicaId] = set()
         for i, h in enumerate(block_hashes):
-            holders = self._blocks.get(h)
-            if not holders:
+            holders = blocks.get(h)
+            if holders is None:
                 break
-            self._blocks.move_to_end(h)
-            current = {r for r, exp in holders.items() if exp is None or exp > now}
-            alive = current if alive is None else alive & current
+            blocks.move_to_end(h)
+            if i == 0:
+                alive = {r for r, exp in holders.items() if exp is None or exp > now}
+            else:
+                dropped = [r for r in alive if not _holds(holders, r, now)]
+                for r in dropped:
+                    alive.discard(r)
+                    result[r] = i
             if not alive:
                 break
-            for r in alive:
-                result[r] = i + 1
+        else:
+            i = len(block_hashes)
+        for r in alive:
+            result[r] = i
         return result
 
     @property
@@ -131,3 +139,10 @@ class PrefixIndex:
 
     def num_blocks_of(self, replica: ReplicaId) -> int:
         return len(self._by_replica.get(replica, ()))
+
+
+def _holds(holders: dict[ReplicaId, float | None], replica: ReplicaId, now: float) -> bool:
+    if replica not in holders:
+        return False
+    exp = holders[replica]
+    return exp is None or exp > now

@@ -1,0 +1,194 @@
+"""KV-aware request routing in Ray Serve: the shared index actor and the RequestRouter.
+
+- `KVIndexActor` (one per application, a named detached actor): the PrefixIndex fed by every
+  LLMServer replica's KV event batches (msgpack, vLLM layout) and by routing history. Every
+  router instance (one per DeploymentHandle: each ingress replica's, each Python caller's) asks
+  it, so all of them see the same cache map and route alike.
+- `KVAwareRouter`: Ray Serve's RequestRouter for the LLMServer deployment. For a
+  `generate(GenerateRequest)` call it reads the request's block hashes and session id, asks the
+  index which replica holds how many leading blocks, and ranks replicas with
+  app/router/policy.py. Other calls (stats, model info) and an unreachable index fall back to
+  power of two choices. Replicas that leave are dropped from the index at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import defaultdict
+
+import ray
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from app.router.events import decode_batch
+from app.router.index import PrefixIndex
+from app.router.policy import RoutingPolicy, choose
+
+logger = logging.getLogger("ray.serve")
+
+INDEX_NAMESPACE = "serve"
+_INDEX_TIMEOUT_S = 0.5  # a routing decision never waits longer than this for the index
+
+
+def index_actor_name(app_name: str) -> str:
+    return f"kv_index::{app_name}"
+
+
+class KVIndexActor:
+    """The application's prefix index, as a Ray actor (methods run one at a time)."""
+
+    def __init__(self, max_blocks: int = 1_000_000, predicted_ttl_s: float = 30.0) -> None:
+        self.index = PrefixIndex(max_blocks=max_blocks, predicted_ttl_s=predicted_ttl_s)
+        self._last_seq: dict[str, int] = {}
+        self.num_batches = 0
+        self.num_gaps = 0
+
+    def publish(self, replica_id: str, seq: int, payload: bytes) -> None:
+        """One KV event batch of a replica; a gap in its numbering (lost batches) resets what is
+        known of the replica before applying, so the index never claims blocks that are gone."""
+        last = self._last_seq.get(replica_id)
+        if last is not None and seq != last + 1:
+            self.num_gaps += 1
+            logger.warning("KV events of replica %s jumped from batch %d to %d; re-learning it", replica_id,
+                           last, seq)
+            self.index.remove_replica(replica_id)
+        self._last_seq[replica_id] = seq
+        _, events = decode_batch(payload)
+        self.index.apply_all(replica_id, events)
+        self.num_batches += 1
+
+    def match(self, block_hashes: list[int]) -> dict[str, int]:
+        return self.index.match(block_hashes)
+
+    def record_routed(self, replica_id: str, block_hashes: list[int]) -> None:
+        self.index.record_routed(replica_id, block_hashes)
+
+    def remove_replica(self, replica_id: str) -> None:
+        self.index.remove_replica(replica_id)
+        self._last_seq.pop(replica_id, None)
+
+    def retain(self, replica_ids: list[str]) -> list[str]:
+        """Forget every replica not in `replica_ids` (they left); returns the ones removed."""
+        keep = set(replica_ids)
+        gone = [r for r in {*self.index.replicas, *self._last_seq} if r not in keep]
+        for r in gone:
+            self.remove_replica(r)
+        return gone
+
+    def stats(self) -> dict:
+        return {
+            "num_blocks": self.index.num_blocks,
+            "replicas": {r: self.index.num_blocks_of(r) for r in self.index.replicas},
+            "num_batches": self.num_batches,
+            "num_gaps": self.num_gaps,
+        }
+
+
+def get_or_create_index(app_name: str, **kwargs):
+    """The application's index actor, created on first use (detached: it outlives any one replica)."""
+    return ray.remote(KVIndexActor).options(
+        name=index_actor_name(app_name), namespace=INDEX_NAMESPACE, lifetime="detached",
+        get_if_exists=True, num_cpus=0, max_restarts=-1,
+    ).remote(**kwargs)
+
+
+def get_index(app_name: str):
+    """The application's index actor, or None when no replica created it (yet)."""
+    try:
+        return ray.get_actor(index_actor_name(app_name), namespace=INDEX_NAMESPACE)
+    except ValueError:
+        return None
+
+
+class KVAwareRouter(FIFOMixin, RequestRouter):
+    """Set on the LLMServer deployment by `request_router_config` (see builder.py)."""
+
+    def initialize_state(self, load_factor: float = 1.25, slack: int = 2, min_match_blocks: int = 1,
+                         **kwargs) -> None:
+        self.policy = RoutingPolicy(load_factor=load_factor, slack=slack, min_match_blocks=min_match_blocks)
+        self._index = None
+        self._index_checked_at = 0.0
+        self._inflight: dict[ReplicaID, int] = defaultdict(int)
+        self._rng = random.Random()
+        self.decisions: dict[str, int] = defaultdict(int)  # reason -> count, for logs and tests
+
+    # -- index access --------------------------------------------------------------------------
+    def _get_index(self):
+        now = time.monotonic()
+        if self._index is None and now - self._index_checked_at > 1.0:
+            self._index_checked_at = now
+            self._index = get_index(self.app_name)
+        return self._index
+
+    async def _match(self, block_hashes: list[int]) -> dict[str, int]:
+        index = self._get_index()
+        if index is None or not block_hashes:
+            return {}
+        try:
+            return await asyncio.wait_for(index.match.remote(block_hashes), _INDEX_TIMEOUT_S)
+        except Exception as e:  # the index is down or slow: route by session / load this time
+            logger.warning("KV index unavailable (%r); routing without it", e)
+            self._index = None
+            return {}
+
+    # -- Ray Serve hooks -----------------------------------------------------------------------
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        request = _generate_request(pending_request)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        loads = {rid: self._load(r) for rid, r in by_id.items()}
+        if request is None:
+            decision = choose(list(by_id), {}, loads, None, self.policy, self._rng)
+        else:
+            matches = await self._match(request.block_hashes)
+            decision = choose(list(by_id), matches, loads, request.session_id, self.policy, self._rng)
+        self.decisions[decision.reason] += 1
+        return [[by_id[rid]] for rid in decision.ranking]
+
+    def _load(self, replica: RunningReplica) -> float:
+        cached = self._replica_queue_len_cache.get(replica.replica_id)
+        return max(self._inflight[replica.replica_id], cached or 0)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        self._inflight[replica_id] += 1
+        request = _generate_request(pending_request)
+        index = self._index
+        if request is not None and request.block_hashes and index is not None:
+            index.record_routed.remote(replica_id.unique_id, list(request.block_hashes))
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._inflight.get(replica_id, 0) > 0:
+            self._inflight[replica_id] -= 1
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        current = {r.replica_id for r in replicas}
+        for rid in [r for r in self._inflight if r not in current]:
+            del self._inflight[rid]
+        index = self._get_index()
+        if index is not None and replicas:
+            index.retain.remote([r.replica_id.unique_id for r in replicas])
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._inflight.pop(replica_id, None)
+        index = self._get_index()
+        if index is not None:
+            index.remove_replica.remote(replica_id.unique_id)
+
+
+def _generate_request(pending_request: PendingRequest | None):
+    """The GenerateRequest of a `generate` call, else None."""
+    from app.deployments.llm_server import GenerateRequest
+
+    if pending_request is None:
+        return None
+    for arg in (*pending_request.args, *pending_request.kwargs.values()):
+        if isinstance(arg, GenerateRequest):
+            return arg
+    return None
