@@ -69,9 +69,10 @@ class LLMServer:
     def __init__(self, config: ServerConfig | dict, engine_cls=AsyncLLMEngine) -> None:
         self.config = config = ServerConfig.model_validate(config)
         self.replica_id, app_name = _replica_identity()
-        # The application's shared KV index (the KV-aware router reads it); None outside Ray Serve.
+        # The application's shared KV index actor (the KV-aware router reads it; it also keeps every
+        # replica's latest stats, with or without that router); None outside Ray Serve.
         self._index = None
-        if app_name is not None and config.router.enabled:
+        if app_name is not None:
             from app.router.kv_router import get_or_create_index
 
             self._index = get_or_create_index(
@@ -132,6 +133,8 @@ class LLMServer:
         router sees of this replica as `replica.routing_stats`."""
         self._cut_batch()
         s = self.stats()
+        if self._index is not None:
+            self._index.report_stats.remote(self.replica_id, s)
         return {k: s[k] for k in ("num_running", "num_waiting", "num_queued_tokens", "num_free_kv_blocks",
                                   "num_kv_blocks", "kv_event_seq")}
 

@@ -57,6 +57,7 @@ class AsyncLLMEngine:
         self._stopped = False
         self.dead_error: BaseException | None = None
         self.num_steps = 0
+        self.num_requests_total = 0  # requests the engine accepted
         self.snapshot: dict = self._snapshot()  # engine state after the latest step (engine thread)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -159,6 +160,7 @@ class AsyncLLMEngine:
                 continue  # cancelled before it was queued
             try:
                 engine._add_validated(add.request_id, add.prompt, add.prompt_ids, add.params)
+                self.num_requests_total += 1
             except InvalidRequestError as e:
                 self._deliver(add.request_id, e)
 
@@ -205,6 +207,7 @@ class AsyncLLMEngine:
             "num_prefix_hit_tokens_total": sched.num_prefix_hit_tokens_total,
             "num_prompt_tokens_total": sched.num_prompt_tokens_total,
             "num_steps_total": self.num_steps,
+            "num_requests_total": self.num_requests_total,
         }
 
 

@@ -117,7 +117,8 @@ class PrefixIndex:
             if i == 0:
                 alive = {r for r, exp in holders.items() if exp is None or exp > now}
             else:
-                dropped = [r for r in alive if not _holds(holders, r, now)]
+                # a replica drops out where it lacks the block or only predicted it and that expired
+                dropped = [r for r in alive if (exp := holders.get(r, 0.0)) is not None and exp <= now]
                 for r in dropped:
                     alive.discard(r)
                     result[r] = i
@@ -140,9 +141,3 @@ class PrefixIndex:
     def num_blocks_of(self, replica: ReplicaId) -> int:
         return len(self._by_replica.get(replica, ()))
 
-
-def _holds(holders: dict[ReplicaId, float | None], replica: ReplicaId, now: float) -> bool:
-    if replica not in holders:
-        return False
-    exp = holders[replica]
-    return exp is None or exp > now

@@ -42,6 +42,7 @@ class KVIndexActor:
     def __init__(self, max_blocks: int = 1_000_000, predicted_ttl_s: float = 30.0) -> None:
         self.index = PrefixIndex(max_blocks=max_blocks, predicted_ttl_s=predicted_ttl_s)
         self._last_seq: dict[str, int] = {}
+        self._replica_stats: dict[str, dict] = {}  # latest engine stats each replica reported
         self.num_batches = 0
         self.num_gaps = 0
 
@@ -68,11 +69,19 @@ class KVIndexActor:
     def remove_replica(self, replica_id: str) -> None:
         self.index.remove_replica(replica_id)
         self._last_seq.pop(replica_id, None)
+        self._replica_stats.pop(replica_id, None)
+
+    def report_stats(self, replica_id: str, stats: dict) -> None:
+        """A replica's latest engine stats (for /metrics of every ingress and for benchmarks)."""
+        self._replica_stats[replica_id] = stats
+
+    def replica_stats(self) -> dict[str, dict]:
+        return dict(self._replica_stats)
 
     def retain(self, replica_ids: list[str]) -> list[str]:
         """Forget every replica not in `replica_ids` (they left); returns the ones removed."""
         keep = set(replica_ids)
-        gone = [r for r in {*self.index.replicas, *self._last_seq} if r not in keep]
+        gone = [r for r in {*self.index.replicas, *self._last_seq, *self._replica_stats} if r not in keep]
         for r in gone:
             self.remove_replica(r)
         return gone
@@ -88,9 +97,13 @@ class KVIndexActor:
 
 def get_or_create_index(app_name: str, **kwargs):
     """The application's index actor, created on first use (detached: it outlives any one replica)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     return ray.remote(KVIndexActor).options(
         name=index_actor_name(app_name), namespace=INDEX_NAMESPACE, lifetime="detached",
         get_if_exists=True, num_cpus=0, max_restarts=-1,
+        # not inside the creating replica's placement group: it must outlive that replica
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
     ).remote(**kwargs)
 
 
