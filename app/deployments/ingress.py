@@ -1,0 +1,153 @@
+"""OpenAIIngress: the OpenAI-compatible HTTP API, over the same operations as the handle API.
+
+The deployment class is OpenAIServing (serving.py: `completions`, `chat`, `models`, which Python
+callers use through a handle) plus FastAPI routes that call exactly those methods: API keys,
+JSON parsing, errors as `{"error": {...}}` with their status (and Retry-After on 503),
+server-sent events for streams, /health and /metrics. A client that disconnects cancels its
+request down to the engine.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see the real `Request` type of the
+# route parameters (Ray Serve rebuilds the routes from the class).
+import asyncio
+import hmac
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from app.config import ServerConfig
+from app.deployments.errors import parse_request
+from app.deployments.metrics import CONTENT_TYPE
+from app.deployments.protocol import (
+    AuthenticationError,
+    BadRequestError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+)
+from app.deployments.serving import CHAT, COMPLETIONS, OpenAIServing, last_item
+
+logger = logging.getLogger(__name__)
+
+API_KEYS_ENV = "APP_API_KEYS"
+SESSION_HEADER = "x-session-id"
+_STATS_TIMEOUT_S = 2.0
+
+app = FastAPI(title="FP4-KV LLM server (OpenAI-compatible)")
+
+
+def error_response(e: OpenAIError) -> JSONResponse:
+    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
+    return JSONResponse(e.to_response().model_dump(mode="json"), status_code=e.status_code, headers=headers)
+
+
+def api_keys(config: ServerConfig, environ) -> frozenset[str]:
+    """The keys of config.api_keys plus those of $APP_API_KEYS (comma-separated)."""
+    from_env = (k.strip() for k in environ.get(API_KEYS_ENV, "").split(","))
+    return frozenset(k for k in (*config.api_keys, *from_env) if k)
+
+
+async def _sse_events(first: BaseModel, items: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    """Server-sent events: `data: {json}` per chunk, an error object if the stream fails midway,
+    then `data: [DONE]`. Closing this generator closes `items` (and so cancels the engine stream)."""
+    async with aclosing(items):
+        yield f"data: {first.model_dump_json()}\n\n"
+        try:
+            async for item in items:
+                yield f"data: {item.model_dump_json()}\n\n"
+        except OpenAIError as e:
+            yield f"data: {e.to_response().model_dump_json()}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that closes its body iterator however it ends: a client disconnect
+    cancels the send loop, which would otherwise leave the generator to the garbage collector."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+@serve.ingress(app)
+class OpenAIIngress(OpenAIServing):
+    """Ray Serve deployment name: OpenAIIngress (see builder.py). Stateless; scales out."""
+
+    def __init__(self, llm_server: DeploymentHandle, config: ServerConfig | dict) -> None:
+        super().__init__(llm_server, config)
+        self.api_keys = api_keys(self.config, os.environ)
+
+    def _authorize(self, request: Request) -> None:
+        if not self.api_keys:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise AuthenticationError("missing API key: send the header 'Authorization: Bearer <key>'")
+        key_bytes = key.strip().encode()
+        if not any(hmac.compare_digest(key_bytes, k.encode()) for k in self.api_keys):
+            raise AuthenticationError("invalid API key")
+
+    async def _serve_http(self, request: Request, endpoint: str, schema: type[BaseModel], operation) -> Response:
+        try:
+            self._authorize(request)
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise BadRequestError(f"the request body is not valid JSON: {e}") from None
+            parsed = parse_request(schema, body)
+        except OpenAIError as e:
+            self.metrics.count_request(endpoint, e.status_code)
+            return error_response(e)
+        items = operation(parsed, session_id=request.headers.get(SESSION_HEADER))
+        try:
+            if not parsed.stream:
+                return JSONResponse((await last_item(items)).model_dump(mode="json"))
+            first = await anext(items)
+        except OpenAIError as e:
+            return error_response(e)
+        return _SSEResponse(_sse_events(first, items), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache"})
+
+    # -- HTTP routes ----------------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def http_models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except OpenAIError as e:
+            return error_response(e)
+        return JSONResponse((await self.models()).model_dump(mode="json"))
+
+    @app.post(COMPLETIONS)
+    async def http_completions(self, request: Request) -> Response:
+        return await self._serve_http(request, COMPLETIONS, CompletionRequest, self.completions)
+
+    @app.post(CHAT)
+    async def http_chat(self, request: Request) -> Response:
+        return await self._serve_http(request, CHAT, ChatCompletionRequest, self.chat)
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        """The ingress is up (Ray Serve health-checks and restarts engine replicas itself)."""
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def http_metrics(self) -> Response:
+        try:
+            stats = await asyncio.wait_for(self._fetch_stats(), timeout=_STATS_TIMEOUT_S)
+            self.metrics.engine.update(stats)
+        except Exception as e:  # an engine busy or restarting must not break the scrape
+            logger.warning("engine stats unavailable for /metrics: %r", e)
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def _fetch_stats(self) -> dict:
+        return await self.llm_server.get_stats.remote()

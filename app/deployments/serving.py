@@ -1,0 +1,304 @@
+"""The OpenAI operations behind both APIs: `completions`, `chat` and `models` of OpenAIServing.
+
+Per request: validate (pydantic, protocol.py), apply the chat template, tokenize, hash the
+prompt's full blocks (the KV-aware router reads them), take the session id (the caller's, else
+the `user` field), stream from an LLMServer replica and build the OpenAI responses. `completions`
+and `chat` are async generators: a non-streaming request yields one response, a streaming one its
+chunks. Refusals are OpenAIErrors. Stopping an iteration early (a client that goes away) cancels
+the LLMServer stream, so the engine aborts the request and frees its KV blocks.
+
+No HTTP here: OpenAIIngress (ingress.py) is this class plus the FastAPI routes, and tests can run
+it on a fake LLMServer handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from ray.serve.handle import DeploymentHandle
+
+from app.config import ServerConfig
+from app.deployments.errors import parse_request, to_openai_error
+from app.deployments.llm_server import GenerateRequest, ModelInfo
+from app.deployments.metrics import IngressMetrics
+from app.deployments.protocol import (
+    BadRequestError,
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    ModelNotFoundError,
+    OpenAIError,
+    TopLogprob,
+    UsageInfo,
+    new_id,
+)
+from app.engine.block_hash import hash_request_tokens
+from app.engine.engine import RequestOutput, resolve_tokenizer
+from app.engine.errors import InvalidRequestError
+from app.engine.loader import load_model_config
+from app.engine.sampling_params import SamplingParams
+from app.engine.tokenizer import ChatTemplateError
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+class OpenAIServing:
+    def __init__(self, llm_server: DeploymentHandle, config: ServerConfig | dict) -> None:
+        """`llm_server`: a handle to the LLMServer deployment (or anything with its `generate`,
+        `model_info` and `get_stats` methods behind `.options(stream=True)` / `.remote()`)."""
+        self.config = config = ServerConfig.model_validate(config)
+        self.llm_server = llm_server
+        self.model_id = config.served_model_id
+        self.tokenizer = resolve_tokenizer(config.engine, load_model_config(config.engine.model).vocab_size)
+        self.metrics = IngressMetrics()
+        self._info: ModelInfo | None = None
+
+    # -- the handle API (the HTTP routes of OpenAIIngress call these) --------------------------------------------
+    async def models(self) -> ModelList:
+        info = await self._model_info()
+        return ModelList(data=[ModelCard(id=self.model_id, root=self.config.engine.model,
+                                         max_model_len=info.max_model_len)])
+
+    async def completions(self, request: CompletionRequest | dict, session_id: str | None = None
+                          ) -> AsyncIterator[CompletionResponse | CompletionStreamResponse]:
+        """Yields one CompletionResponse, or (stream=True) CompletionStreamResponse chunks."""
+        async for item in self._counted(COMPLETIONS, self._completions(request, session_id)):
+            yield item
+
+    async def chat(self, request: ChatCompletionRequest | dict, session_id: str | None = None
+                   ) -> AsyncIterator[ChatCompletionResponse | ChatCompletionStreamResponse]:
+        """Yields one ChatCompletionResponse, or (stream=True) ChatCompletionStreamResponse chunks."""
+        async for item in self._counted(CHAT, self._chat(request, session_id)):
+            yield item
+
+    # -- operations -----------------------------------------------------------------------------
+    async def _completions(self, request, session_id):
+        request = parse_request(CompletionRequest, request)
+        self._check_model(request.model)
+        text = request.prompt if isinstance(request.prompt, str) else None
+        prompt_ids = self.tokenizer.encode(text) if text is not None else list(request.prompt)
+        fields: dict[str, str] = {}
+        params = sampling_params(request, request.max_tokens, request.logprobs, fields)
+        async for item in self._respond(COMPLETIONS, request, prompt_ids, params, session_id, fields, text):
+            yield item
+
+    async def _completion_items(self, request: CompletionRequest, rid: str, outputs):
+        if not request.stream:
+            final = await last_item(outputs)
+            logprobs = self._completion_logprobs(final.token_ids, final.logprobs, final.top_logprobs, 0)
+            yield CompletionResponse(id=rid, model=self.model_id, usage=_usage(final), choices=[
+                CompletionChoice(text=final.text, finish_reason=final.finish_reason, logprobs=logprobs)])
+            return
+        offset = 0  # of the next token in the completion text, for logprobs.text_offset
+        async for out in outputs:
+            if out.delta_text or out.delta_token_ids or out.finished:
+                logprobs = self._completion_logprobs(out.delta_token_ids, out.delta_logprobs,
+                                                     out.delta_top_logprobs, offset)
+                if logprobs is not None and logprobs.tokens:
+                    offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                yield CompletionStreamResponse(id=rid, model=self.model_id, choices=[
+                    CompletionChoice(text=out.delta_text, logprobs=logprobs, finish_reason=out.finish_reason)])
+            if out.finished and request.include_usage:
+                yield CompletionStreamResponse(id=rid, model=self.model_id, choices=[], usage=_usage(out))
+
+    async def _chat(self, request, session_id):
+        request = parse_request(ChatCompletionRequest, request)
+        self._check_model(request.model)
+        try:
+            text = self.tokenizer.apply_chat_template(request.template_messages(), add_generation_prompt=True)
+        except ChatTemplateError as e:
+            raise BadRequestError(str(e), param="messages") from None
+        bos = self.tokenizer.bos_token
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+        fields = {"prompt": "messages", "logprobs": "top_logprobs"}
+        if request.max_completion_tokens is not None:
+            max_tokens = request.max_completion_tokens
+            fields["max_tokens"] = "max_completion_tokens"
+        elif request.max_tokens is not None:
+            max_tokens = request.max_tokens
+        else:  # as vLLM: what the context leaves (the engine refuses a prompt that leaves nothing)
+            max_tokens = max(1, (await self._model_info()).max_model_len - len(prompt_ids))
+        num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = sampling_params(request, max_tokens, num_logprobs, fields)
+        async for item in self._respond(CHAT, request, prompt_ids, params, session_id, fields, text):
+            yield item
+
+    async def _chat_items(self, request: ChatCompletionRequest, rid: str, outputs):
+        if not request.stream:
+            final = await last_item(outputs)
+            logprobs = self._chat_logprobs(final.token_ids, final.logprobs, final.top_logprobs)
+            yield ChatCompletionResponse(id=rid, model=self.model_id, usage=_usage(final), choices=[
+                ChatCompletionChoice(message=ChatResponseMessage(content=final.text),
+                                     finish_reason=final.finish_reason, logprobs=logprobs)])
+            return
+        first = True
+        async for out in outputs:
+            if first:  # the role first, as OpenAI sends it
+                first = False
+                yield ChatCompletionStreamResponse(id=rid, model=self.model_id, choices=[
+                    ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))])
+            if out.delta_text or out.delta_token_ids or out.finished:
+                logprobs = self._chat_logprobs(out.delta_token_ids, out.delta_logprobs, out.delta_top_logprobs)
+                yield ChatCompletionStreamResponse(id=rid, model=self.model_id, choices=[
+                    ChatCompletionStreamChoice(delta=DeltaMessage(content=out.delta_text), logprobs=logprobs,
+                                               finish_reason=out.finish_reason)])
+            if out.finished and request.include_usage:
+                yield ChatCompletionStreamResponse(id=rid, model=self.model_id, choices=[], usage=_usage(out))
+
+    async def _respond(self, endpoint: str, request, prompt_ids: list[int], params: SamplingParams,
+                       session_id: str | None, fields: dict[str, str], prompt_text: str | None):
+        """Generate, and turn the engine's outputs into this endpoint's responses or chunks."""
+        rid = new_id("cmpl" if endpoint == COMPLETIONS else "chatcmpl")
+        outputs = self._generate(endpoint, rid, prompt_ids, params, session_id or request.user, fields, prompt_text)
+        make_items = self._completion_items if endpoint == COMPLETIONS else self._chat_items
+        async with aclosing(outputs):  # closing it early cancels the engine's stream
+            async for item in make_items(request, rid, outputs):
+                yield item
+
+    async def _generate(self, endpoint: str, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                        session_id: str | None, fields: dict[str, str], prompt_text: str | None
+                        ) -> AsyncIterator[RequestOutput]:
+        """Stream from an LLMServer replica; its errors become OpenAIErrors (before the first output).
+        Closing this early (or cancelling its task) cancels the replica's stream: the engine aborts."""
+        generate_request = GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params, prompt=prompt_text,
+            session_id=session_id, block_hashes=hash_request_tokens(prompt_ids, self.config.engine.block_size))
+        m = self.metrics
+        t0 = time.perf_counter()
+        t_first = None
+        num_output_tokens = 0
+        finished = False
+        stream = None
+        try:
+            stream = self.llm_server.options(stream=True).generate.remote(generate_request)
+            async for out in stream:
+                if t_first is None:  # the prompt has been processed
+                    t_first = time.perf_counter()
+                    m.time_to_first_token.labels(endpoint).observe(t_first - t0)
+                    m.prompt_tokens.inc(len(prompt_ids))
+                    m.cached_tokens.inc(out.num_cached_tokens)
+                num_output_tokens += len(out.delta_token_ids)
+                m.generation_tokens.inc(len(out.delta_token_ids))
+                if out.finished:
+                    finished = True
+                    if num_output_tokens > 1:
+                        m.time_per_output_token.labels(endpoint).observe(
+                            (time.perf_counter() - t_first) / (num_output_tokens - 1))
+                yield out
+        except Exception as e:
+            raise to_openai_error(e, fields, self.config.retry_after_s) from e
+        finally:
+            if stream is not None and not finished:
+                _cancel(stream)
+
+    async def _counted(self, endpoint: str, items: AsyncIterator) -> AsyncIterator:
+        """Count the request by its outcome: 200, an OpenAIError's status, 499 (caller gone), 500."""
+        status = 500
+        try:
+            async with aclosing(items):
+                async for item in items:
+                    yield item
+            status = 200
+        except OpenAIError as e:
+            status = e.status_code
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            status = 499
+            raise
+        finally:
+            self.metrics.count_request(endpoint, status)
+
+    # -- helpers --------------------------------------------------------------------------------
+    async def _model_info(self) -> ModelInfo:
+        if self._info is None:
+            self._info = await self.llm_server.model_info.remote()
+        return self._info
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_id:
+            raise ModelNotFoundError(f"model {model!r} does not exist; this server serves {self.model_id!r} "
+                                     "(see GET /v1/models)")
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, token_ids, logprobs, top_logprobs, offset: int) -> CompletionLogprobs | None:
+        if logprobs is None or token_ids is None:
+            return None
+        out = CompletionLogprobs()
+        for token_id, logprob, top in zip(token_ids, logprobs, top_logprobs):
+            token = self._token_text(token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(logprob)
+            out.top_logprobs.append({self._token_text(t): lp for t, lp in top})
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
+
+    def _chat_logprobs(self, token_ids, logprobs, top_logprobs) -> ChatChoiceLogprobs | None:
+        if logprobs is None or token_ids is None:
+            return None
+        content = []
+        for token_id, logprob, top in zip(token_ids, logprobs, top_logprobs):
+            token = self._token_text(token_id)
+            alternatives = []
+            for t, lp in top:
+                s = self._token_text(t)
+                alternatives.append(TopLogprob(token=s, logprob=lp, bytes=list(s.encode())))
+            content.append(ChatTokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()),
+                                            top_logprobs=alternatives))
+        return ChatChoiceLogprobs(content=content)
+
+
+def sampling_params(request, max_tokens: int, logprobs: int | None, fields: dict[str, str]) -> SamplingParams:
+    """The request's SamplingParams (OpenAI's defaults); a bad value -> BadRequestError naming it."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=-1 if request.top_k is None else request.top_k,
+            seed=request.seed,
+            stop=request.stop,
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+        )
+    except InvalidRequestError as e:
+        raise to_openai_error(e, fields, retry_after_s=0) from None
+
+
+async def last_item(outputs: AsyncIterator):
+    """The last item of a stream (a final RequestOutput carries the complete text, ids and logprobs)."""
+    last = None
+    async for item in outputs:
+        last = item
+    return last
+
+
+def _cancel(stream) -> None:
+    """Cancel an LLMServer stream (the replica aborts the request). cancel() re-raises the error of
+    a call that already failed (e.g. BackPressureError); that call needs no cancelling."""
+    try:
+        stream.cancel()
+    except Exception:
+        pass
+
+
+def _usage(out: RequestOutput) -> UsageInfo:
+    return UsageInfo.of(len(out.prompt_token_ids), len(out.token_ids or ()), out.num_cached_tokens)

@@ -1,0 +1,139 @@
+"""OpenAIServing (the operations behind the HTTP and handle APIs) on a fake LLMServer handle, no
+Ray: what the ingress sends to a replica (token ids, block hashes, session id, sampling params)
+and that a caller who stops reading cancels the replica's stream. The fake stands in for the
+LLMServer only; the real one is exercised end to end in test_http_openai.py."""
+
+import asyncio
+
+import pytest
+
+from app.deployments.llm_server import ModelInfo
+from app.deployments.protocol import BadRequestError, CompletionStreamResponse
+from app.deployments.serving import OpenAIServing
+from app.engine.block_hash import hash_request_tokens
+from app.engine.engine import RequestOutput
+
+BLOCK_SIZE = 4
+
+
+class FakeStream:
+    """What `handle.options(stream=True).generate.remote(request)` returns: `num_tokens` outputs
+    of one token each, the last one finished."""
+
+    def __init__(self, request, num_tokens: int) -> None:
+        self.request = request
+        self.num_tokens = num_tokens
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self._outputs()
+
+    async def _outputs(self):
+        ids = self.request.prompt_token_ids
+        for i in range(self.num_tokens):
+            await asyncio.sleep(0)
+            last = i == self.num_tokens - 1
+            yield RequestOutput(self.request.request_id, self.request.prompt, ids, "x" * (i + 1), "x", [120],
+                                last, "length" if last else None, None, 0,
+                                token_ids=[120] * self.num_tokens if last else None)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeLLMServer:
+    def __init__(self, num_tokens: int = 3) -> None:
+        self.num_tokens = num_tokens
+        self.streams: list[FakeStream] = []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    @property
+    def model_info(self):
+        return self
+
+    def remote(self, request=None):
+        if request is None:  # model_info
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(ModelInfo("tiny-llama", 256, 320, BLOCK_SIZE, "bf16", 1, 64))
+            return future
+        self.streams.append(FakeStream(request, self.num_tokens))
+        return self.streams[-1]
+
+
+@pytest.fixture
+def server():
+    return FakeLLMServer()
+
+
+@pytest.fixture
+def serving(server):
+    return OpenAIServing(server, {"engine": {"block_size": BLOCK_SIZE}})
+
+
+def collect(agen) -> list:
+    async def run():
+        return [item async for item in agen]
+
+    return asyncio.run(run())
+
+
+def test_completion_sends_token_ids_block_hashes_and_session(serving, server):
+    prompt = "Hello, swarm of agents"
+    [out] = collect(serving.completions({"model": "tiny-llama", "prompt": prompt, "max_tokens": 3,
+                                         "temperature": 0.5, "top_k": 7, "seed": 3, "stop": "\n",
+                                         "user": "user-1"}))
+    sent = server.streams[0].request
+    ids = serving.tokenizer.encode(prompt)
+    assert sent.prompt_token_ids == ids and sent.prompt == prompt
+    assert sent.block_hashes == hash_request_tokens(ids, BLOCK_SIZE) and len(sent.block_hashes) == len(ids) // 4
+    assert sent.session_id == "user-1"  # no explicit session: the `user` field
+    p = sent.sampling_params
+    assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.stop) == (3, 0.5, 7, 3, ["\n"])
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 3
+    collect(serving.completions({"model": "tiny-llama", "prompt": [1, 2, 3], "user": "user-1"},
+                                session_id="session-9"))
+    assert server.streams[1].request.session_id == "session-9"  # the header / argument wins
+    assert server.streams[1].request.prompt_token_ids == [1, 2, 3]
+
+
+def test_chat_sends_the_templated_prompt_and_defaults_max_tokens_to_the_context(serving, server):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    collect(serving.chat({"model": "tiny-llama", "messages": messages}))
+    sent = server.streams[0].request
+    text = serving.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}])
+    assert sent.prompt_token_ids == serving.tokenizer.encode(text)
+    assert sent.sampling_params.max_tokens == 256 - len(sent.prompt_token_ids)
+
+
+def test_a_caller_who_stops_reading_cancels_the_replica_stream(serving, server):
+    server.num_tokens = 50
+
+    async def read_two():
+        chunks = serving.completions({"model": "tiny-llama", "prompt": "go", "stream": True})
+        got = [await anext(chunks), await anext(chunks)]
+        await chunks.aclose()
+        return got
+
+    got = asyncio.run(read_two())
+    assert all(isinstance(c, CompletionStreamResponse) for c in got)
+    assert server.streams[0].cancelled
+    assert 'status="499"' in serving.metrics.render().decode()
+
+
+def test_a_finished_stream_is_not_cancelled(serving, server):
+    collect(serving.completions({"model": "tiny-llama", "prompt": "go", "stream": True}))
+    assert not server.streams[0].cancelled
+
+
+def test_bad_values_are_refused_before_a_replica_is_called(serving, server):
+    with pytest.raises(BadRequestError) as e:
+        collect(serving.chat({"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 2, "temperature": -1}))
+    assert e.value.param == "temperature"
+    assert server.streams == []
