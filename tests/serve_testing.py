@@ -1,0 +1,57 @@
+"""Helpers of the Ray Serve tests: one local Ray + Serve per test module, apps on a free port."""
+
+import contextlib
+import os
+import socket
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_serve(num_cpus: int = 4):
+    """Start Ray (no dashboard, no auth) and Serve on a free port; yields the base URL."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    # Ray workers must import this checkout's `app`, whatever else is installed.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    import ray
+    from ray import serve
+
+    port = free_port()
+    # address="local": a new Ray even if another one (another test's cluster) is running here.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+             log_to_driver=bool(os.environ.get("SERVE_TEST_LOGS")))
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def run_apps(*apps: tuple[dict, str, str]) -> None:
+    """Deploy build_app(args) for each (args, name, route_prefix), all at once; waits until all run."""
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    from app.deployments.builder import build_app
+
+    serve.run_many([RunTarget(build_app(args), name=name, route_prefix=prefix) for args, name, prefix in apps])
+
+
+def wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.2):
+    """Poll until predicate() is truthy; returns its last value (falsy on timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
