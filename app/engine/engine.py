@@ -13,20 +13,18 @@ import torch
 from app.config import EngineConfig
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import InvalidRequestError
-from app.engine.kv_cache import KVCacheSpec, create_kv_cache, kv_bytes_per_token
-from app.engine.kv_cache_manager import KVCacheManager, cdiv
+from app.engine.executor import create_executor
+from app.engine.kv_cache import KVCacheSpec, kv_bytes_per_token
+from app.engine.kv_cache_manager import KVCacheManager
 from app.engine.kv_events import KVEvent
-from app.engine.loader import DUMMY_MODELS, load_model, load_model_config
-from app.engine.model_runner import ModelRunner
+from app.engine.loader import DUMMY_MODELS, load_model_config
+from app.engine.model_runner import resolve_dtype
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler
 from app.engine.sequence import Sequence, SequenceStatus
 from app.engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CPU_DEFAULT_KV_MEMORY = 1 << 30
 
 
 @dataclass(slots=True)
@@ -61,12 +59,6 @@ class _RequestState:
     top_logprobs: list[list[tuple[int, float]]] | None = field(default=None)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return _DTYPES[dtype]
-
-
 def resolve_tokenizer(config: EngineConfig, vocab_size: int) -> Tokenizer:
     """The tokenizer of config (or of the model); its ids must all exist in the model's vocab."""
     if config.tokenizer is not None:
@@ -87,15 +79,14 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         # Everything that can be refused is checked before the weights load.
         self.model_config = mc = load_model_config(config.model)
+        mc.check_tensor_parallel(config.tensor_parallel_size)
         self.tokenizer = resolve_tokenizer(config, mc.vocab_size)
         fp4_formats = config.fp4.formats()
         if config.kv_cache_dtype == "fp4":
             for fmt in fp4_formats:
                 fmt.check(mc.head_dim)
-        self.model, _ = load_model(
-            config.model, device=self.device, dtype=self.dtype, load_format=config.load_format, seed=config.seed
-        )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        # The whole model's KV (all ranks together); each rank holds num_kv_heads / tp of it.
         self.kv_spec = KVCacheSpec(
             num_layers=mc.num_hidden_layers,
             num_kv_heads=mc.num_key_value_heads,
@@ -104,51 +95,33 @@ class LLMEngine:
             compute_dtype=self.dtype,
         )
         self.kv_bytes_per_token = kv_bytes_per_token(config.kv_cache_dtype, self.kv_spec, fp4_formats)
-        self.num_kv_blocks = self._num_kv_blocks()
-        self.kv_cache = create_kv_cache(
-            config.kv_cache_dtype, self.kv_spec, self.num_kv_blocks, self.device, fp4_formats
-        )
+        # Sample only ids the tokenizer knows (a model's vocab may be padded beyond it).
+        self.vocab_size = self.tokenizer.vocab_size
+        # Loads the model (its shards on tensor-parallel workers) and allocates the KV cache.
+        self.executor = create_executor(config, self.vocab_size, self.max_model_len)
+        self.num_kv_blocks = self.executor.num_kv_blocks
+        # The model and cache objects when they live in this process (tensor_parallel_size 1).
+        runner = getattr(self.executor, "runner", None)
+        self.model = runner.model if runner is not None else None
+        self.kv_cache = runner.kv_cache if runner is not None else None
         self.kv_manager = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         eos = set(self.tokenizer.eos_token_ids)
         eos.update(e for e in _as_list(mc.eos_token_id) if e is not None)
         self.scheduler = Scheduler(
             self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, eos
         )
-        # Sample only ids the tokenizer knows (a model's vocab may be padded beyond it).
-        self.vocab_size = self.tokenizer.vocab_size
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size)
         self._requests: dict[str, _RequestState] = {}
-        self._generators: dict[str, torch.Generator] = {}  # requests with a seed
         # step(), add_request() and abort_request() may be called from different threads (an
         # async server steps in a worker thread); an abort waits for the step in flight.
         self._lock = threading.RLock()
         self._kv_events: list[KVEvent] = []
         self.kv_manager.pool.subscribe(self._kv_events.append)
-        self.default_generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.runner.sampler.default_generator = self.default_generator
         logger.info(
-            "engine ready: model=%s kv_cache_dtype=%s blocks=%d x %d tokens (%.1f MiB, %d B/token)",
-            config.model, config.kv_cache_dtype, self.num_kv_blocks, config.block_size,
+            "engine ready: model=%s tensor_parallel_size=%d kv_cache_dtype=%s blocks=%d x %d tokens "
+            "(%.1f MiB, %d B/token over all ranks)",
+            config.model, config.tensor_parallel_size, config.kv_cache_dtype, self.num_kv_blocks, config.block_size,
             self.num_kv_blocks * config.block_size * self.kv_bytes_per_token / 2**20, self.kv_bytes_per_token,
         )
-
-    def _num_kv_blocks(self) -> int:
-        c = self.config
-        if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
-        if c.kv_cache_memory is not None:
-            budget = int(c.kv_cache_memory)
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * c.gpu_memory_utilization) - (total - free)
-        else:
-            budget = _CPU_DEFAULT_KV_MEMORY
-        num_blocks = budget // (self.kv_bytes_per_token * c.block_size)
-        useful = c.max_num_seqs * cdiv(self.max_model_len, c.block_size)
-        if num_blocks < 1:
-            raise ValueError(f"KV cache memory budget {budget} B is too small for one block "
-                             f"({self.kv_bytes_per_token * c.block_size} B); raise kv_cache_memory")
-        return min(num_blocks, useful)
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str | Seq[int]) -> list[int]:
@@ -203,8 +176,6 @@ class LLMEngine:
         with self._lock:
             self.scheduler.add_request(seq)  # raises (changing nothing) on a duplicate id
             self._requests[request_id] = state
-            if params.seed is not None:
-                self._generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
 
     def abort_request(self, request_ids: str | Seq[str]) -> list[RequestOutput]:
         """Stop requests and free their blocks (after the step in flight, if any); unknown or
@@ -225,7 +196,7 @@ class LLMEngine:
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 return []
-            sampled_seqs, out = self.runner.execute(sched, self._generators)
+            sampled_seqs, out = self.executor.execute(sched)
             sampled = {}
             for i, seq in enumerate(sampled_seqs):
                 sampled[seq.request_id] = out.token_ids[i]
@@ -249,7 +220,7 @@ class LLMEngine:
             return outputs
 
     def _finish(self, request_id: str) -> RequestOutput:
-        self._generators.pop(request_id, None)
+        self.executor.release(request_id)
         return self._make_output(self._requests.pop(request_id))
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
@@ -288,6 +259,14 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
+
+    def worker_info(self) -> list[dict]:
+        """Where each tensor-parallel rank runs (rank, pid, node, GPU ids, device)."""
+        return self.executor.worker_info()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent); the engine is unusable after."""
+        self.executor.shutdown()
 
     def stats(self) -> dict:
         return {

@@ -8,6 +8,11 @@ Accepted forms of `model`:
 
 The model is built on the meta device and materialized directly on `device` in `dtype`, so an
 8B model never exists in fp32 on the CPU.
+
+With tp_size > 1 the module is rank tp_rank's shard (see models/llama.py) and each loader reads
+only that shard of each weight: a slice of the safetensors entry (safe_open's get_slice) or of the
+memory-mapped llama2.c file. Dummy weights are drawn at the full shape from the same seeded
+generator and then sliced, so every tp_size yields shards of the same full model.
 """
 
 from __future__ import annotations
@@ -56,15 +61,18 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     load_format: str = "auto",
     seed: int = 0,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> tuple[LlamaForCausalLM, LlamaConfig]:
-    """The model (eval mode, on `device` in `dtype`) and its config; see the module docstring."""
+    """The model (eval mode, on `device` in `dtype`), or its shard tp_rank of tp_size, and its
+    (full) config; see the module docstring."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)} (got {load_format!r})")
     path = Path(model)
     config, load = _resolve(model)
     device = torch.device(device)
     with torch.device("meta"):
-        module = LlamaForCausalLM(config, dtype=dtype)
+        module = LlamaForCausalLM(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
     module = module.to_empty(device=device)
     module.tie_weights()
     with torch.no_grad():
@@ -97,9 +105,12 @@ def _resolve(model: str) -> tuple[LlamaConfig, Callable[[LlamaForCausalLM, Path]
 def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
     """Normal(0, INIT_STD) linears and embeddings, norms 1, deterministic for a seed.
 
-    Models up to DEVICE_INIT_MIN_PARAMS are generated on the CPU in float32 and then copied, so
-    they are identical on every device. Larger ones (the 8B/70B benchmark shapes) are generated
-    on the target device with that device's generator: seeded, but only reproducible per device.
+    Each parameter is drawn at its full (unsharded) shape and the model's shard is copied out, so
+    a tensor-parallel rank holds exactly its slice of the tp_size=1 model. Models up to
+    DEVICE_INIT_MIN_PARAMS are generated on the CPU in float32 and then copied, so they are
+    identical on every device. Larger ones (the 8B/70B benchmark shapes) are generated on the
+    target device in the parameter's dtype with that device's generator: seeded, but only
+    reproducible per device.
     """
     device = next(model.parameters()).device
     if device.type == "meta":
@@ -110,10 +121,12 @@ def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif on_device:
-                p.normal_(0.0, INIT_STD, generator=gen)
+                continue
+            if on_device:
+                full = torch.empty(model.full_shape(name), dtype=p.dtype, device=device)
             else:
-                p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=gen))
+                full = torch.empty(model.full_shape(name), dtype=torch.float32)
+            p.copy_(full.normal_(0.0, INIT_STD, generator=gen)[model.shard_slices(name)])
 
 
 def _load_safetensors_dir(model: LlamaForCausalLM, path: Path) -> None:
@@ -137,11 +150,11 @@ def _load_safetensors_dir(model: LlamaForCausalLM, path: Path) -> None:
                 if key not in params:
                     unexpected.append(key)
                     continue
-                tensor = f.get_tensor(key)
-                if tensor.shape != params[key].shape:
-                    raise ValueError(f"{file.name}: {key} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(params[key].shape)}")
-                params[key].copy_(tensor)
+                entry = f.get_slice(key)  # reads nothing until indexed
+                shape, expected = tuple(entry.get_shape()), model.full_shape(key)
+                if shape != expected:
+                    raise ValueError(f"{file.name}: {key} has shape {shape}, the model expects {expected}")
+                params[key].copy_(entry[model.shard_slices(key)])
                 loaded.add(key)
     missing = sorted(set(params) - loaded)
     if missing or unexpected:
@@ -184,32 +197,36 @@ def _load_llama2c(model: LlamaForCausalLM, path: Path) -> None:
     data = np.memmap(path, dtype="<f4", mode="r", offset=_LLAMA2C_HEADER.size)
     offset = 0
 
-    def take(*shape: int) -> torch.Tensor:
+    def take(*shape: int) -> np.ndarray:
+        """The next array of the file, as a memory-mapped view (read when copied)."""
         nonlocal offset
         n = int(np.prod(shape))
         if offset + n > data.size:
             raise ValueError(f"{path} is truncated: the header promises more weights than the file holds")
-        t = torch.from_numpy(np.array(data[offset:offset + n])).view(*shape)
+        view = data[offset:offset + n].reshape(shape)
         offset += n
-        return t
+        return view
 
-    layers = model.model.layers
-    model.model.embed_tokens.weight.copy_(take(vocab, dim))
+    def load(name: str, array: np.ndarray) -> None:
+        """Copy this rank's shard of `array` into parameter `name` (reading only that shard)."""
+        shard = torch.from_numpy(np.array(array[model.shard_slices(name)]))
+        if name.endswith("self_attn.q_proj.weight"):  # whole heads: the permutation is per head
+            shard = interleaved_to_half_rope(shard, c.num_attention_heads // model.tp_size)
+        elif name.endswith("self_attn.k_proj.weight"):
+            shard = interleaved_to_half_rope(shard, c.num_key_value_heads // model.tp_size)
+        model.get_parameter(name).copy_(shard)
+
+    load("model.embed_tokens.weight", take(vocab, dim))
     for name, shape in [("input_layernorm", (dim,)), ("self_attn.q_proj", (dim, dim)),
                         ("self_attn.k_proj", (kv_dim, dim)), ("self_attn.v_proj", (kv_dim, dim)),
                         ("self_attn.o_proj", (dim, dim)), ("post_attention_layernorm", (dim,)),
                         ("mlp.gate_proj", (hidden, dim)), ("mlp.down_proj", (dim, hidden)),
                         ("mlp.up_proj", (hidden, dim))]:
         for i in range(n_layers):
-            w = take(*shape)
-            if name == "self_attn.q_proj":
-                w = interleaved_to_half_rope(w, c.num_attention_heads)
-            elif name == "self_attn.k_proj":
-                w = interleaved_to_half_rope(w, c.num_key_value_heads)
-            layers[i].get_submodule(name).weight.copy_(w)
-    model.model.norm.weight.copy_(take(dim))
+            load(f"model.layers.{i}.{name}.weight", take(*shape))
+    load("model.norm.weight", take(dim))
     take(2, c.max_position_embeddings, head_dim // 2)  # legacy freq_cis_real / freq_cis_imag, unused
     if not c.tie_word_embeddings:
-        model.lm_head.weight.copy_(take(vocab, dim))
+        load("lm_head.weight", take(vocab, dim))
     if offset != data.size:
         raise ValueError(f"{path} has {data.size - offset} float32 values beyond the weights its header describes")

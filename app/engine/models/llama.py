@@ -3,7 +3,14 @@
 Tokens of every sequence in a step are flattened into one dimension T (see AttentionMetadata).
 Each layer stores its new K/V in the cache first and then attends through the cache, so new
 tokens read their own K/V back and chunked prefill computes what one-shot prefill does.
-Tensor parallelism will shard the per-layer q/k/v/o and gate/up/down linears.
+
+Tensor parallelism (Megatron-LM's split): rank r of tp_size holds attention heads, KV heads and
+MLP columns [r * n / tp_size, (r + 1) * n / tp_size). q/k/v and gate/up are column-parallel (their
+output rows are split, no communication), o_proj and down_proj row-parallel (their input columns
+are split; each rank's partial sum is all-reduced), so each layer costs two all-reduces of
+[T, hidden]. Embeddings, norms and lm_head are replicated: every rank computes the same hidden
+states and rank 0 alone computes the logits for sampling. With tp_size 1 nothing is split and
+torch.distributed is never touched.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -49,6 +57,20 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE (got {self.head_dim})")
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling)
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Raise ValueError unless every rank of tp_size gets whole KV heads and equal MLP shards."""
+        if tp_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1 (got {tp_size})")
+        for what, n in (("num_key_value_heads", self.num_key_value_heads),
+                        ("num_attention_heads", self.num_attention_heads),
+                        ("intermediate_size", self.intermediate_size)):
+            if n % tp_size:
+                ok = [d for d in range(1, self.num_key_value_heads + 1)
+                      if self.num_key_value_heads % d == 0 and self.intermediate_size % d == 0]
+                raise ValueError(f"tensor_parallel_size {tp_size} must divide {what} ({n}): each worker holds "
+                                 f"an equal share of the heads and MLP columns; this model allows "
+                                 f"tensor_parallel_size in {ok}")
 
     @classmethod
     def from_hf(cls, hf: dict) -> LlamaConfig:
@@ -88,6 +110,44 @@ class LlamaConfig:
         per_layer = h * (2 * q + 2 * kv) + 3 * h * self.intermediate_size + 2 * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_hidden_layers * per_layer + h + lm_head
+
+
+# Where each linear is split: column-parallel layers split their output rows (dim 0),
+# row-parallel layers their input columns (dim 1). Everything else is replicated.
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def shard_dim(name: str) -> int | None:
+    """The dimension of parameter `name` (HF naming) that tensor parallelism splits; None if replicated."""
+    parts = name.split(".")
+    module = parts[-2] if len(parts) >= 2 else ""
+    if module in _COLUMN_PARALLEL:
+        return 0
+    if module in _ROW_PARALLEL:
+        return 1
+    return None
+
+
+def shard_slices(name: str, full_shape: tuple[int, ...], tp_rank: int, tp_size: int) -> tuple[slice, ...]:
+    """Index of rank tp_rank's shard in the full tensor of parameter `name`: contiguous rows of
+    whole heads (q/k/v rows are head-major) or MLP columns. Rank r's query heads are exactly the
+    ones that read its KV heads, since both are split into tp_size equal contiguous ranges."""
+    index = [slice(None)] * len(full_shape)
+    dim = shard_dim(name)
+    if dim is not None and tp_size > 1:
+        n = full_shape[dim]
+        assert n % tp_size == 0, f"{name}: dim {dim} of size {n} does not split into {tp_size} shards"
+        step = n // tp_size
+        index[dim] = slice(tp_rank * step, (tp_rank + 1) * step)
+    return tuple(index)
+
+
+def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Sum of x over the tensor-parallel ranks (the default process group), in place."""
+    if tp_size > 1:
+        dist.all_reduce(x)
+    return x
 
 
 def _normalize_rope_scaling(rope: dict | None) -> dict | None:
@@ -157,10 +217,14 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_idx: int, dtype: torch.dtype | None = None) -> None:
+    """This rank's heads: num_attention_heads / tp_size query heads and their KV heads."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int, dtype: torch.dtype | None = None, tp_size: int = 1) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.tp_size = tp_size
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = config.num_key_value_heads // tp_size
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         h, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -177,28 +241,31 @@ class LlamaAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv_cache.store(self.layer_idx, k, v, meta.slot_mapping)
         o = kv_cache.attention(self.layer_idx, q, meta, self.scale)  # [T, heads, head_dim]
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))  # [T, hidden]
+        return all_reduce(self.o_proj(o.reshape(T, self.num_heads * self.head_dim)), self.tp_size)  # [T, hidden]
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype | None = None) -> None:
+    """This rank's intermediate_size / tp_size MLP columns."""
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype | None = None, tp_size: int = 1) -> None:
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
+        self.tp_size = tp_size
+        h, i = config.hidden_size, config.intermediate_size // tp_size
         self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.tp_size)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_idx: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config: LlamaConfig, layer_idx: int, dtype: torch.dtype | None = None, tp_size: int = 1) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_idx, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, dtype, tp_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = LlamaMLP(config, dtype, tp_size)
 
     def forward(self, h, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
@@ -206,10 +273,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype | None = None, tp_size: int = 1) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, tp_size)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # A plain attribute, not a buffer: absent from state dicts, never cast by .to(dtype),
         # untouched by meta init; moved once to the device of the first positions it meets.
@@ -226,10 +294,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype | None = None) -> None:
+    """The whole model (tp_size 1) or rank tp_rank's shard of it; see the module docstring."""
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype | None = None, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
         super().__init__()
+        config.check_tensor_parallel(tp_size)
+        assert 0 <= tp_rank < tp_size, f"tp_rank {tp_rank} out of range for tp_size {tp_size}"
         self.config = config
-        self.model = LlamaModel(config, dtype)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.model = LlamaModel(config, dtype, tp_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.tie_weights()
 
@@ -249,3 +323,15 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.lm_head(hidden).float()
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """Shape of parameter `name` in the unsharded model."""
+        shape = list(self.get_parameter(name).shape)
+        dim = shard_dim(name)
+        if dim is not None:
+            shape[dim] *= self.tp_size
+        return tuple(shape)
+
+    def shard_slices(self, name: str) -> tuple[slice, ...]:
+        """Index of this rank's shard of parameter `name` in the full tensor."""
+        return shard_slices(name, self.full_shape(name), self.tp_rank, self.tp_size)

@@ -1,0 +1,134 @@
+"""Executors: where the engine's model steps run.
+
+The engine hands each scheduled step to an Executor, which turns it into a compact StepMessage
+(see model_runner.py) and runs it on every tensor-parallel rank:
+
+- LocalExecutor (tensor_parallel_size 1): one ModelRunner in the engine's process; neither Ray
+  nor torch.distributed is imported.
+- RayExecutor (app/engine/parallel.py, tensor_parallel_size > 1): one Ray actor per rank on the
+  bundles of a placement group; imported only when asked for.
+
+Both speak the same messages, so tensor_parallel_size 1 exercises the same worker code as TP.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+
+from app.config import EngineConfig
+from app.engine.model_runner import ModelRunner, ScheduledRequest, StepMessage
+from app.engine.sampler import SamplerOutput
+from app.engine.scheduler import SchedulerOutput
+from app.engine.sequence import Sequence
+
+
+class StepMessageBuilder:
+    """Driver side of the step protocol: remembers what each rank already knows of a request.
+
+    A request is sent whole (params + whole block table) the first time and after a preemption;
+    afterwards only its new tokens and the blocks appended since. Ids of finished requests that
+    ranks have seen go out with the next step. A step that fails makes every request go whole
+    next time, so a rank that applied part of it cannot drift from the driver.
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[str, tuple[int, int]] = {}  # request id -> (num_preemptions, blocks sent)
+        self._finished: list[str] = []
+
+    def build(self, sched: SchedulerOutput) -> tuple[StepMessage, list[Sequence]]:
+        """The message of one step, and the sequences that sample, in the order of its rows."""
+        requests, sampling = [], []
+        for seq, num_new in sched.scheduled:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            sent = self._sent.get(seq.request_id)
+            whole = sent is None or sent[0] != seq.num_preemptions
+            table = seq.block_table
+            block_ids = table if whole else table[sent[1]:]
+            do_sample = end == seq.num_tokens
+            requests.append(ScheduledRequest(
+                request_id=seq.request_id,
+                token_ids=seq.token_slice(start, end),
+                start_pos=start,
+                block_ids=list(block_ids),
+                params=seq.sampling_params if whole else None,
+                do_sample=do_sample,
+            ))
+            self._sent[seq.request_id] = (seq.num_preemptions, len(table))
+            if do_sample:
+                sampling.append(seq)
+        finished, self._finished = self._finished, []
+        return StepMessage(requests, finished), sampling
+
+    def failed(self, message: StepMessage) -> None:
+        """The step of `message` raised: resend every request whole; keep its finished ids."""
+        self._finished[:0] = message.finished_request_ids
+        self._sent = {rid: (-1, 0) for rid in self._sent}
+
+    def release(self, request_id: str) -> None:
+        """The request finished: ranks drop its state with the next step (if they ever saw it)."""
+        if self._sent.pop(request_id, None) is not None:
+            self._finished.append(request_id)
+
+
+class Executor(ABC):
+    """Runs steps on the tensor-parallel ranks. Not thread-safe: the engine calls it under its lock."""
+
+    num_kv_blocks: int  # KV blocks of every rank's cache (the same block ids on every rank)
+
+    def __init__(self) -> None:
+        self._messages = StepMessageBuilder()
+
+    def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput]:
+        """Run one scheduled step; the sequences that sampled a token and what they sampled."""
+        message, sampling = self._messages.build(sched)
+        try:
+            out = self._execute(message)
+        except BaseException:
+            self._messages.failed(message)
+            raise
+        if not sampling:
+            return [], SamplerOutput([], None, None)
+        assert out is not None and len(out.token_ids) == len(sampling)
+        return sampling, out
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished (or aborted) request on every rank."""
+        self._messages.release(request_id)
+
+    @abstractmethod
+    def _execute(self, message: StepMessage) -> SamplerOutput | None:
+        """Run the message on every rank; rank 0's sampler output."""
+
+    @abstractmethod
+    def worker_info(self) -> list[dict]:
+        """Per rank: where it runs (rank, pid, node, GPU ids, device)."""
+
+    def shutdown(self) -> None:
+        """Release workers and their resources (idempotent)."""
+
+
+class LocalExecutor(Executor):
+    """tensor_parallel_size 1: the model in the engine's process."""
+
+    def __init__(self, config: EngineConfig, vocab_size: int, max_model_len: int) -> None:
+        super().__init__()
+        self.runner = ModelRunner(config, vocab_size)
+        self.num_kv_blocks = self.runner.num_kv_blocks_fit(max_model_len)
+        self.runner.allocate_kv_cache(self.num_kv_blocks)
+
+    def _execute(self, message: StepMessage) -> SamplerOutput | None:
+        return self.runner.execute(message)
+
+    def worker_info(self) -> list[dict]:
+        return [{"rank": 0, "pid": os.getpid(), "device": str(self.runner.device),
+                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}]
+
+
+def create_executor(config: EngineConfig, vocab_size: int, max_model_len: int) -> Executor:
+    """LocalExecutor for tensor_parallel_size 1, else a RayExecutor (imports Ray only then)."""
+    if config.tensor_parallel_size == 1:
+        return LocalExecutor(config, vocab_size, max_model_len)
+    from app.engine.parallel import RayExecutor
+
+    return RayExecutor(config, vocab_size, max_model_len)
