@@ -113,6 +113,10 @@ class LLMServer:
     async def model_info(self) -> ModelInfo:
         return self.info
 
+    async def worker_info(self) -> dict:
+        """This replica and where its tensor-parallel workers run (node, GPU ids), for placement checks."""
+        return {"replica_id": self.replica_id, "workers": self.engine.engine.worker_info()}
+
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 

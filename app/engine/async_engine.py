@@ -134,9 +134,13 @@ class AsyncLLMEngine:
         self._wake.set()
 
     def shutdown(self) -> None:
+        """Stop the loop, then the engine (its tensor-parallel workers, if any)."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     # -- engine thread --------------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
@@ -177,9 +181,9 @@ class AsyncLLMEngine:
                 t0 = time.perf_counter()
                 outputs = engine.step()
                 self.num_steps += 1
+                self.snapshot = self._snapshot()  # before delivering: what a caller sees is never newer
                 for out in outputs:
                     self._deliver(out.request_id, out)
-                self.snapshot = self._snapshot()
                 events = engine.take_kv_events()
                 if events and self.on_kv_events is not None:
                     self.on_kv_events(events)

@@ -1,0 +1,90 @@
+"""`build_app(args) -> Application`: the entry point `serve run serve_config.yaml` imports.
+
+`args` is a ServerConfig (app/config.py). The application is two deployments with stable names:
+`OpenAIIngress` (HTTP + Python handle API, stateless, scales out) in front of `LLMServer` (one
+engine replica per node). Each LLMServer replica gets a placement group sized to its
+tensor-parallel workers (placement_options below); anything set under `deployments:` in the YAML
+overrides what is derived here.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from app.config import ServerConfig
+from app.deployments.ingress import OpenAIIngress
+from app.deployments.llm_server import LLMServer
+from app.engine.parallel import placement_bundles
+
+LLM_SERVER_NAME = "LLMServer"
+INGRESS_NAME = "OpenAIIngress"
+_INGRESS_CPUS = 0.2
+
+
+def uses_gpu(config: ServerConfig) -> bool:
+    return config.engine.device.startswith("cuda")
+
+
+def placement_options(config: ServerConfig) -> dict:
+    """Ray Serve options that place one LLMServer replica on one node.
+
+    tensor_parallel_size n > 1: n bundles {"GPU": 1, "CPU": cpus_per_worker} (no GPU key on CPU),
+    bundle 0 enlarged by the replica's own CPUs since Ray Serve starts the replica in bundle 0;
+    the engine starts its n workers on bundles 0..n-1. n = 1: one bundle with the replica, which
+    runs the engine in-process (and takes the GPU on GPU devices).
+    """
+    gpu = uses_gpu(config)
+    p = config.placement
+    cpus_per_worker = p.cpus_per_worker if p.cpus_per_worker is not None else (1.0 if gpu else 0.1)
+    replica_cpus = p.replica_cpus if p.replica_cpus is not None else (1.0 if gpu else 0.2)
+    tp = config.engine.tensor_parallel_size
+    bundles = placement_bundles(tp, cpus_per_worker if tp > 1 else 0.0, gpu, driver_cpus=replica_cpus)
+    # tp 1: the engine runs in the replica, which takes the GPU; tp > 1: the workers take them.
+    actor = {"num_cpus": replica_cpus, "num_gpus": 1.0 if gpu and tp == 1 else 0.0}
+    return {
+        "ray_actor_options": actor,
+        "placement_group_bundles": bundles,
+        "placement_group_strategy": p.strategy,
+    }
+
+
+KV_ROUTER_CLASS = "app.router.kv_router:KVAwareRouter"
+
+
+def router_options(config: ServerConfig) -> dict:
+    """request_router_config of the LLMServer deployment: the KV-aware router unless disabled."""
+    r = config.router
+    if not r.enabled:  # Ray Serve's default router, but the replicas' stats still refresh as often
+        return {"request_router_config": RequestRouterConfig(request_routing_stats_period_s=r.routing_stats_period_s)}
+    return {"request_router_config": RequestRouterConfig(
+        request_router_class=KV_ROUTER_CLASS,
+        request_router_kwargs={"load_factor": r.load_factor, "slack": r.slack,
+                               "min_match_blocks": r.min_match_blocks},
+        request_routing_stats_period_s=r.routing_stats_period_s,
+    )}
+
+
+def build_app(args: dict | ServerConfig | None = None) -> Application:
+    """The application `serve run` deploys; `args` are the `args:` of serve_config.yaml."""
+    config = ServerConfig.model_validate(args or {})
+    engine = config.engine
+    server = serve.deployment(LLMServer).options(
+        name=LLM_SERVER_NAME,
+        # Every running and queued request is one ongoing call; the engine refuses beyond its queue.
+        max_ongoing_requests=engine.max_num_seqs + config.max_queued_requests,
+        # What a caller (an ingress replica) may queue while every replica is at max_ongoing_requests;
+        # beyond it the handle raises BackPressureError, which the ingress answers with 503 + Retry-After.
+        max_queued_requests=config.max_queued_requests,
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        **placement_options(config),
+        **router_options(config),
+    )
+    ingress = serve.deployment(OpenAIIngress).options(
+        name=INGRESS_NAME,
+        max_ongoing_requests=4 * (engine.max_num_seqs + config.max_queued_requests),
+        ray_actor_options={"num_cpus": _INGRESS_CPUS},
+    )
+    return ingress.bind(server.bind(config), config)

@@ -1,0 +1,166 @@
+"""The KV-aware router with 3 real LLMServer replicas, deployed from serve_config.yaml the way
+`serve run` deploys it (only `num_replicas: 3` changed), driven over real HTTP."""
+
+import asyncio
+import copy
+import httpx
+import pytest
+import ray
+import yaml
+from ray import serve
+
+from app.engine.block_hash import hash_request_tokens
+from app.engine.tokenizer import ByteTokenizer
+from tests.serve_testing import REPO_ROOT, local_serve, wait_until
+
+APP = "llm"
+BLOCK = 16
+
+
+def deploy_config(num_replicas: int = 3) -> None:
+    """serve_config.yaml with LLMServer num_replicas changed, deployed like `serve run` does."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    config = yaml.safe_load((REPO_ROOT / "serve_config.yaml").read_text())
+    config = copy.deepcopy(config)
+    (app,) = config["applications"]
+    for d in app["deployments"]:
+        if d["name"] == "LLMServer":
+            d["num_replicas"] = num_replicas
+    app["args"]["engine"]["kv_cache_memory"] = "256MiB"
+    schema = ServeDeploySchema.model_validate({"applications": [app]})
+    _get_global_client().deploy_apps(schema, _blocking=True)
+
+
+@pytest.fixture(scope="module")
+def url():
+    with local_serve(num_cpus=4) as base:
+        deploy_config(3)
+        assert wait_until(lambda: _num_running_replicas() == 3, timeout_s=120)
+        yield base
+
+
+def _num_running_replicas() -> int:
+    status = serve.status().applications.get(APP)
+    if status is None or status.status != "RUNNING":
+        return 0
+    return status.deployments["LLMServer"].replica_states.get("RUNNING", 0)
+
+
+def _index():
+    from app.router.kv_router import get_index
+
+    return get_index(APP)
+
+
+def _holders(prompt: str) -> dict[str, int]:
+    """Replica -> leading blocks of `prompt` it reported storing (KV events in the index)."""
+    hashes = hash_request_tokens(ByteTokenizer(320).encode(prompt), BLOCK)
+    return ray.get(_index().match.remote(hashes))
+
+
+def _confirmed_holders(prompt: str, timeout_s: float = 10.0) -> dict[str, int]:
+    """Like _holders but waits for KV events (routing-history entries count too, so poll until
+    the set is stable against the replicas' stored blocks)."""
+    return wait_until(lambda: _holders(prompt), timeout_s=timeout_s)
+
+
+def complete(url: str, prompt: str, session: str, max_tokens: int = 8) -> dict:
+    r = httpx.post(f"{url}/v1/completions", timeout=120, headers={"x-session-id": session},
+                   json={"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_session_turns_stay_on_one_replica_and_hit_the_cache(url):
+    prompt = "You are a careful agent. " * 8 + "Task 1: list the pods."
+    replicas_seen = set()
+    for turn in range(4):
+        body = complete(url, prompt, session="agent-1")
+        cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if turn:
+            # everything of the previous turn's prompt that filled a block was served from cache
+            assert cached >= (prev_prompt_tokens // BLOCK) * BLOCK - BLOCK, (turn, cached, prev_prompt_tokens)
+        prev_prompt_tokens = body["usage"]["prompt_tokens"]
+        holders = _confirmed_holders(prompt)
+        replicas_seen.update(r for r, n in holders.items() if n >= prev_prompt_tokens // BLOCK - 1)
+        prompt = prompt + body["choices"][0]["text"] + f" Turn {turn + 2}: next step please."
+    assert len(replicas_seen) == 1, replicas_seen
+
+
+def test_many_sessions_spread_over_all_replicas(url):
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one(i):
+                r = await client.post(f"{url}/v1/completions", headers={"x-session-id": f"spread-{i}"},
+                                      json={"model": "tiny-llama", "prompt": f"Session {i} starts here. " * 4,
+                                            "max_tokens": 4, "temperature": 0})
+                assert r.status_code == 200, r.text
+            await asyncio.gather(*(one(i) for i in range(24)))
+
+    asyncio.run(run())
+    owners = {}
+    for i in range(24):
+        holders = _confirmed_holders(f"Session {i} starts here. " * 4)
+        owners[i] = max(holders, key=holders.get)
+    counts = sorted({r: list(owners.values()).count(r) for r in set(owners.values())}.values())
+    assert len(counts) == 3, owners
+    assert counts[-1] <= 12, counts  # no replica takes half of all sessions
+
+
+def test_new_session_follows_a_shared_prefix_unless_its_replica_is_overloaded(url):
+    shared = "SHARED CONTEXT: " + "the cluster has 40 nodes and 900 pods. " * 12
+    complete(url, shared + " Question A?", session="owner")
+    owner = max(_confirmed_holders(shared), key=_confirmed_holders(shared).get)
+
+    # a brand-new session with the same long prefix goes to the replica holding it
+    body = complete(url, shared + " Question B?", session="newcomer-1")
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= (len(shared) // BLOCK - 1) * BLOCK
+    holders = _confirmed_holders(shared + " Question B?")
+    assert max(holders, key=holders.get) == owner
+
+    # now keep the owner busy with 3 long streams (they follow the prefix there), then ask again
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            streams = []
+            for i in range(3):
+                cm = client.stream("POST", f"{url}/v1/completions", headers={"x-session-id": f"busy-{i}"},
+                                   json={"model": "tiny-llama", "prompt": shared + f" Busy {i}", "max_tokens": 3000,
+                                         "ignore_eos": True, "temperature": 0, "stream": True})
+                resp = await cm.__aenter__()
+                assert resp.status_code == 200
+                lines = resp.aiter_lines()
+                await lines.__anext__()  # first chunk: it is running
+                streams.append((cm, lines))
+            r = await client.post(f"{url}/v1/completions", headers={"x-session-id": "newcomer-2"},
+                                  json={"model": "tiny-llama", "prompt": shared + " Question C?", "max_tokens": 4,
+                                        "temperature": 0})
+            for cm, _ in streams:
+                await cm.__aexit__(None, None, None)
+            return r
+
+    r = asyncio.run(run())
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] < BLOCK * 4  # prefilled elsewhere
+    holders = _confirmed_holders(shared + " Question C?")
+    assert any(rep != owner and n > 0 for rep, n in holders.items()), (owner, holders)
+
+
+def test_killed_replica_leaves_the_index_and_later_requests_succeed(url):
+    complete(url, "warm up every replica " * 4, session="k0")
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"SERVE_REPLICA::{APP}#LLMServer#")]
+    assert len(names) == 3
+    victim_name = names[0]
+    victim_id = victim_name.rsplit("#", 1)[1]
+    ray.kill(ray.get_actor(victim_name, namespace="serve"), no_restart=True)
+    # the controller notices the death and starts a replacement; requests keep succeeding meanwhile
+    assert wait_until(lambda: victim_name not in {
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}, timeout_s=60)
+    ok = sum(complete(url, f"after the kill {i} " * 3, session=f"k{i}")["choices"][0]["text"] is not None
+             for i in range(12))
+    assert ok == 12
+    gone = wait_until(lambda: victim_id not in ray.get(_index().stats.remote())["replicas"]
+                      and victim_id not in ray.get(_index().replica_stats.remote()), timeout_s=30)
+    assert gone, ray.get(_index().stats.remote())
