@@ -228,10 +228,10 @@ class RouterConfig(BaseModel):
         "default power-of-two-choices router.",
     )
     load_factor: float = Field(
-        1.25, ge=1, description="A replica takes new work only while its load is at most this times the mean "
-        "load (+1), or within `slack` of the least loaded replica; otherwise it is skipped.",
+        1.25, ge=1, description="A replica takes new work only while its load (requests in flight) is at most "
+        "load_factor * (the least loaded replica's load) + slack; otherwise it is skipped.",
     )
-    slack: int = Field(2, ge=0, description="Requests above the least loaded replica a replica may always carry.")
+    slack: int = Field(2, ge=0, description="Requests above load_factor * the least load a replica may carry.")
     min_match_blocks: int = Field(
         1, ge=1, description="Cached prefix blocks below this count as no match (then the session id decides)."
     )

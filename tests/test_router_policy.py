@@ -17,7 +17,7 @@ def test_most_cached_prefix_wins():
 
 
 def test_overloaded_replica_is_skipped_despite_its_cache():
-    # b holds the prefix but carries 10 requests while a and c carry 0: bound = max(ceil(1.25*11/3), 0+2) = 5
+    # b holds the prefix but carries 10 requests while a and c carry 0: bound = 1.25 * 0 + 2 = 2
     d = choose(R, {"b": 5}, {"a": 0, "b": 10, "c": 0}, "s1")
     assert d.ranking[0] in ("a", "c") and d.reason == "session"
     assert d.ranking[-1] == "b"  # still a last resort

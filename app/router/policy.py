@@ -4,10 +4,12 @@ in bench/router.py call the same code.
 For one request, given how many of its leading prompt blocks each replica holds (the prefix
 index) and each replica's load:
 
-1. Replicas with room: load <= max(ceil(load_factor * (total + 1) / n), min_load + slack), i.e.
-   within `load_factor` of the mean (consistent hashing with bounded loads; Mirrokni, Thorup and
-   Zadimoghaddam 2018) or within `slack` requests of the least loaded. The rest are skipped, so a
-   popular prefix or session cannot turn one replica into a hot spot.
+1. Replicas with room: load <= load_factor * min_load + slack, i.e. within a bound relative to
+   the least loaded replica (in the spirit of consistent hashing with bounded loads; Mirrokni,
+   Thorup and Zadimoghaddam 2018). The rest are skipped, so a popular prefix (a system prompt
+   every session shares) or session cannot turn one replica into a hot spot. A bound relative to
+   the mean instead let three of four replicas take every session of a swarm that shares a
+   system prompt while the fourth idled (bench/RESULTS.md).
 2. Among those, the replica holding the most prefix blocks wins. Ties (e.g. a system prompt
    cached everywhere) and requests with no cached prefix go by rendezvous hashing of the session
    id over the replicas with room, so a session lands on the same replica turn after turn and
@@ -22,7 +24,6 @@ then the replicas without room, so the caller can fall through when a replica re
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,8 +33,8 @@ ReplicaId = str
 
 @dataclass(frozen=True, slots=True)
 class RoutingPolicy:
-    load_factor: float = 1.25  # a replica with room carries at most this times the mean load (+1)
-    slack: int = 2  # ... or at most this many requests more than the least loaded one
+    load_factor: float = 1.25  # a replica with room carries at most this times the least load ...
+    slack: int = 2  # ... plus this many requests
     min_match_blocks: int = 1  # fewer matched blocks than this count as no match
 
     def __post_init__(self) -> None:
@@ -59,9 +60,7 @@ def rendezvous_score(session_id: str, replica: ReplicaId) -> int:
 def with_room(loads: Mapping[ReplicaId, float], policy: RoutingPolicy) -> list[ReplicaId]:
     if not loads:
         return []
-    n = len(loads)
-    total = sum(loads.values())
-    bound = max(math.ceil(policy.load_factor * (total + 1) / n), min(loads.values()) + policy.slack)
+    bound = policy.load_factor * min(loads.values()) + policy.slack
     return [r for r, load in loads.items() if load <= bound]
 
 
