@@ -122,12 +122,13 @@ class EngineConfig(BaseModel):
     )
     kv_cache_memory: int | str | None = Field(
         None,
-        description="KV cache memory budget, in bytes or like '4GiB'. Default: on GPU, "
+        description="KV cache memory budget per worker (per GPU with tensor parallelism), in bytes or like "
+        "'4GiB'. Default: on GPU, "
         "gpu_memory_utilization of the device minus what the model uses; on CPU, 1GiB. "
         "Never more blocks than max_num_seqs full-length requests need.",
     )
     gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="Fraction of GPU memory the engine may use (weights + KV cache)."
+        0.9, gt=0, le=1, description="Fraction of each GPU's memory the engine may use (weights + KV cache)."
     )
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of identical prefixes.")
     device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1', ...")
