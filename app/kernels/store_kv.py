@@ -1,0 +1,245 @@
+"""Quantize a step's new K/V and write them into their slots of the paged cache: one launch per layer.
+
+A program takes BLOCK_R (token, KV head) vectors of K and of V, quantizes each into the pages'
+format (bf16/fp16 cast, fp8 E4M3 with a float32 scale per vector, or fp4 as app/kernels/fp4.py
+defines it) and writes them to row slot * H + head of every page array (paged.py).
+
+fp4 follows fp4_quantize step by step, in float32 without fused multiply-adds and with IEEE
+division, so it writes the same bits, with three documented exceptions that only move a value
+between two equally valid encodings:
+  * ties in |x| among outlier candidates: torch.topk's choice among equal magnitudes is
+    unspecified; the kernel takes the lowest index first;
+  * the scale search sums squared errors in another order, so two candidate scales whose errors
+    agree to float32 rounding may be chosen differently;
+  * the second-level exponent is ceil(log2(y)) computed exactly from y's bits; torch's float log2
+    can round a y just above a power of two down to it (one part in 2^21) and pick the exponent
+    one lower. Both keep every group scale within E4M3's range.
+fp8 divides by amax / 448 with IEEE division (as torch does on CUDA). Rotation (fmt.rotate) is
+applied by the caller in torch before the launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from app.kernels import fp4, paged
+from app.kernels.fp4 import FP4Format
+
+
+@triton.jit
+def _e4m3_encode(v):
+    """float32 v >= 0 -> E4M3 (fn) code, round to nearest even, saturating at 448 (int32)."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)  # 3 mantissa bits, RNE
+    sub = ((v * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # multiples of 2^-9, RNE
+    return tl.minimum(tl.where(v < 0.015625, sub, normal), 126)
+
+
+@triton.jit
+def _e2m1_encode(v):
+    """float32 -> E2M1 code (int32 0..15): nearest, ties to even, saturating at 6, like fp4.e2m1_encode."""
+    a = tl.abs(v)
+    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+            + (a > 5.0).to(tl.int32))
+    return tl.where((v < 0) & (code > 0), code | 8, code)
+
+
+@triton.jit
+def _ceil_log2(y):
+    """ceil(log2(y)) for float32 y > 0, exactly (from the bits; subnormals give <= -126)."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    up = ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return tl.where(e == 0, -126, e - 127 + up)
+
+
+@triton.jit
+def _try_scale(xn, amax_n, target: tl.constexpr, best_err, best_sc, best_code):
+    """Scale each group's amax to `target`; keep, per group, the candidate with the lowest squared error."""
+    sc = _e4m3_encode(tl.math.div_rn(amax_n, target))
+    dec = paged.e4m3_to_f32(sc)
+    safe = tl.where(dec > 0, dec, 1.0)[:, :, None]
+    code = _e2m1_encode(tl.math.div_rn(xn, safe))
+    diff = paged.e2m1_to_f32(code) * safe - xn
+    err = tl.sum(diff * diff, 2)
+    better = err < best_err
+    return (tl.where(better, err, best_err), tl.where(better, sc, best_sc),
+            tl.where(better[:, :, None], code, best_code))
+
+
+@triton.jit
+def _store_fp4(x, prow, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+               KO: tl.constexpr, ZSCORE: tl.constexpr, Z, MIN_T: tl.constexpr,
+               T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, NT: tl.constexpr):
+    """Quantize x [R, D] float32 (one vector per row) and write it to page rows prow [R]."""
+    NG: tl.constexpr = D // G
+    d = tl.arange(0, D)
+    if KO > 0:
+        # outliers: the KO largest |x| (zscore: among |x - mean| > Z * std), largest first
+        if ZSCORE:
+            mean = tl.math.div_rn(tl.sum(x, 1), D * 1.0)
+            dev = x - mean[:, None]
+            std = tl.math.sqrt_rn(tl.math.div_rn(tl.sum(dev * dev, 1), D * 1.0))
+            mag = tl.where(tl.abs(dev) > Z * std[:, None], tl.abs(x), -1.0)
+        else:
+            mag = tl.abs(x)
+        for k in tl.static_range(KO):
+            top = tl.max(mag, 1)
+            idx = tl.argmax(mag, 1, tie_break_left=True)
+            if ZSCORE:
+                used = top >= 0
+            else:
+                used = top > 0
+            hit = d[None, :] == idx[:, None]
+            val = paged.to_bf16(tl.where(used, tl.sum(tl.where(hit, x, 0.0), 1), 0.0))
+            tl.store(p3 + prow * KO + k, val, mask=valid)
+            tl.store(p4 + prow * KO + k, tl.where(used, idx, 0).to(tl.uint8), mask=valid)
+            x = tl.where(hit & used[:, None], x - val.to(tl.float32)[:, None], x)
+            mag = tl.where(hit, float("-inf"), mag)
+    xg = tl.reshape(x, (R, NG, G))
+    amax = tl.max(tl.abs(xg), 2)  # [R, NG]
+    top = tl.math.div_rn(tl.max(amax, 1), MIN_T)  # [R]
+    exp = tl.minimum(tl.maximum(_ceil_log2(tl.math.div_rn(top, 448.0)), -126), 127)
+    exp = tl.where(top > 0, exp, -127)
+    second = tl.where(exp > -127, ((exp + 127) << 23).to(tl.float32, bitcast=True), 1.0)
+    xn = tl.math.div_rn(xg, second[:, None, None])
+    amax_n = tl.math.div_rn(amax, second[:, None])
+    best_err = tl.full([R, NG], float("inf"), tl.float32)
+    best_sc = tl.zeros([R, NG], tl.int32)
+    best_code = tl.zeros([R, NG, G], tl.int32)
+    best_err, best_sc, best_code = _try_scale(xn, amax_n, T0, best_err, best_sc, best_code)
+    if NT > 1:
+        best_err, best_sc, best_code = _try_scale(xn, amax_n, T1, best_err, best_sc, best_code)
+    if NT > 2:
+        best_err, best_sc, best_code = _try_scale(xn, amax_n, T2, best_err, best_sc, best_code)
+    if NT > 3:
+        best_err, best_sc, best_code = _try_scale(xn, amax_n, T3, best_err, best_sc, best_code)
+    even, odd = tl.split(tl.reshape(best_code, (R, D // 2, 2)))
+    col = tl.arange(0, D // 2)
+    j = tl.arange(0, NG)
+    tl.store(p0 + prow[:, None] * (D // 2) + col[None, :], (even | (odd << 4)).to(tl.uint8), mask=valid[:, None])
+    tl.store(p1 + prow[:, None] * NG + j[None, :], best_sc.to(tl.uint8), mask=valid[:, None])
+    tl.store(p2 + prow, (exp + 127).to(tl.uint8), mask=valid)
+
+
+@triton.jit
+def _store_one(x_ptr, prow, r, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: tl.constexpr,
+               KIND: tl.constexpr, G: tl.constexpr, KO: tl.constexpr, ZSCORE: tl.constexpr, Z,
+               MIN_T: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr,
+               NT: tl.constexpr):
+    d = tl.arange(0, D)
+    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    if KIND == 0:
+        if p0.dtype.element_ty == tl.bfloat16 and x.dtype != tl.bfloat16:
+            x = paged.to_bf16(x.to(tl.float32))
+        tl.store(p0 + prow[:, None] * D + d[None, :], x.to(p0.dtype.element_ty), mask=valid[:, None])
+    elif KIND == 1:
+        x = x.to(tl.float32)
+        scale = tl.math.div_rn(tl.max(tl.abs(x), 1), 448.0)
+        scale = tl.where(scale > 0, scale, 1.0)
+        v = tl.math.div_rn(x, scale[:, None])
+        sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80  # torch keeps the sign of -0.0
+        code = _e4m3_encode(tl.abs(v)) | sign
+        tl.store(p0 + prow[:, None] * D + d[None, :], code.to(tl.uint8), mask=valid[:, None])
+        tl.store(p1 + prow, scale, mask=valid)
+    else:
+        _store_fp4(x.to(tl.float32), prow, valid, p0, p1, p2, p3, p4, R, D, G, KO, ZSCORE, Z, MIN_T,
+                   T0, T1, T2, T3, NT)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, slot_ptr, num_rows,
+    k0, k1, k2, k3, k4, v0, v1, v2, v3, v4,
+    K_Z, V_Z,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+    K_KIND: tl.constexpr, K_G: tl.constexpr, K_KO: tl.constexpr, K_ZSCORE: tl.constexpr, K_MIN_T: tl.constexpr,
+    K_T0: tl.constexpr, K_T1: tl.constexpr, K_T2: tl.constexpr, K_T3: tl.constexpr, K_NT: tl.constexpr,
+    V_KIND: tl.constexpr, V_G: tl.constexpr, V_KO: tl.constexpr, V_ZSCORE: tl.constexpr, V_MIN_T: tl.constexpr,
+    V_T0: tl.constexpr, V_T1: tl.constexpr, V_T2: tl.constexpr, V_T3: tl.constexpr, V_NT: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of the flattened [T * H, D] input
+    in_range = r < num_rows
+    slot = tl.load(slot_ptr + r // H, mask=in_range, other=-1).to(tl.int64)
+    valid = in_range & (slot >= 0)  # negative slots (padding) are skipped
+    prow = slot * H + r % H
+    _store_one(k_ptr, prow, r, valid, k0, k1, k2, k3, k4, BLOCK_R, D, K_KIND, K_G, K_KO, K_ZSCORE, K_Z,
+               K_MIN_T, K_T0, K_T1, K_T2, K_T3, K_NT)
+    _store_one(v_ptr, prow, r, valid, v0, v1, v2, v3, v4, BLOCK_R, D, V_KIND, V_G, V_KO, V_ZSCORE, V_Z,
+               V_MIN_T, V_T0, V_T1, V_T2, V_T3, V_NT)
+
+
+def _format_args(pages, fmt: FP4Format | None, prefix: str) -> tuple[dict, float]:
+    kind = paged.page_kind(pages)
+    targets = tuple(fmt.scale_targets) if kind == paged.FP4 else (6.0,)
+    assert len(targets) <= 4, f"the store kernel takes at most 4 scale_targets (got {targets})"
+    padded = targets + (targets[-1],) * (4 - len(targets))
+    ce = paged.page_constexprs(pages, fmt, prefix)
+    ce.update({f"{prefix}_ZSCORE": kind == paged.FP4 and fmt.outlier_mode == "zscore",
+               f"{prefix}_MIN_T": float(min(targets)), f"{prefix}_NT": len(targets)})
+    ce.update({f"{prefix}_T{i}": float(t) for i, t in enumerate(padded)})
+    return ce, float(fmt.zscore) if kind == paged.FP4 else 0.0
+
+
+def check_finite_pair(key: torch.Tensor, value: torch.Tensor) -> None:
+    """Raise fp4.check_finite's ValueError if K or V holds NaN/Inf (one device sync for both)."""
+    if not bool(torch.isfinite(key).all() & torch.isfinite(value).all()):
+        fp4.check_finite(key)
+        fp4.check_finite(value)
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int32/int64; negative: skip the token
+    k_pages, v_pages,  # one layer's pages (paged.py)
+    formats: tuple[FP4Format | None, FP4Format | None] = (None, None),
+    check_finite: bool = True,
+    block_r: int | None = None,
+    num_warps: int = 4,
+) -> None:
+    """Write K/V into their slots. Quantized formats refuse NaN/Inf before writing anything (a
+    device sync) unless check_finite=False."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ"
+    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype in (torch.int32, torch.int64)
+    for name, pages, fmt in (("k_pages", k_pages, formats[0]), ("v_pages", v_pages, formats[1])):
+        _, _, h, d = paged.check_pages(pages, fmt, name)
+        assert (h, d) == (num_kv_heads, head_dim), f"{name} hold {h} heads x {d}, K/V have {num_kv_heads} x {head_dim}"
+    num_rows = num_tokens * num_kv_heads
+    # fp4 quantization is a long dependent chain per vector: few vectors per program for a decode
+    # step's handful of tokens (more programs in flight), more for prefill
+    block_r = block_r or (4 if num_rows <= 4096 else 16)
+    assert paged.is_pow2(head_dim) and paged.is_pow2(block_r), f"head_dim {head_dim} and block_r must be powers of two"
+    if num_tokens == 0:
+        return
+    if check_finite and {paged.page_kind(k_pages), paged.page_kind(v_pages)} & {paged.FP8, paged.FP4}:
+        check_finite_pair(key, value)
+    key, value = key.contiguous(), value.contiguous()
+    k_ce, k_z = _format_args(k_pages, formats[0], "K")
+    v_ce, v_z = _format_args(v_pages, formats[1], "V")
+    _store_kv_kernel[(triton.cdiv(num_rows, block_r),)](
+        key, value, slot_mapping, num_rows,
+        *paged.page_args(k_pages), *paged.page_args(v_pages), k_z, v_z,
+        H=num_kv_heads, D=head_dim, BLOCK_R=block_r, **k_ce, **v_ce,
+        num_warps=num_warps, enable_fp_fusion=False,
+    )
+
+
+def store_kv_ref(key, value, slot_mapping, k_pages, v_pages,
+                 formats: tuple[FP4Format | None, FP4Format | None] = (None, None)) -> None:
+    """The torch path: quantize with app/kernels/fp4.py and scatter into the same pages."""
+    for x, pages, fmt in ((key, k_pages, formats[0]), (value, v_pages, formats[1])):
+        kind = paged.page_kind(pages)
+        keep = slot_mapping >= 0
+        slots, x = slot_mapping[keep], x[keep]
+        if kind == paged.DENSE:
+            pages.view(-1, *x.shape[1:])[slots] = x.to(pages.dtype)
+            continue
+        new = fp4.fp8_quantize(x) if kind == paged.FP8 else fp4.fp4_quantize(x, fmt)
+        for page, part in zip(pages, new):
+            if part.numel():
+                page.view(-1, *part.shape[1:])[slots] = part
