@@ -6,7 +6,7 @@ in float32. It is the CPU path and the ground truth the Triton kernels are check
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,10 +23,33 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64, rows padded with 0
     seq_lens: list[int]  # [num_seqs] tokens in the cache after this step (context + new)
     query_start_loc: list[int]  # [num_seqs + 1] prefix sums of the new-token counts
+    # device copies for the kernels, made on first use and shared by every layer of the step
+    _seq_lens_t: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _query_start_loc_t: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def seq_lens_tensor(self) -> torch.Tensor:  # [num_seqs] int32 on block_tables' device
+        if self._seq_lens_t is None:
+            self._seq_lens_t = torch.tensor(self.seq_lens, dtype=torch.int32).to(self.block_tables.device)
+        return self._seq_lens_t
+
+    @property
+    def query_start_loc_tensor(self) -> torch.Tensor:  # [num_seqs + 1] int32 on block_tables' device
+        if self._query_start_loc_t is None:
+            self._query_start_loc_t = torch.tensor(self.query_start_loc, dtype=torch.int32).to(self.block_tables.device)
+        return self._query_start_loc_t
 
     @property
     def query_lens(self) -> list[int]:

@@ -4,12 +4,17 @@ A block holds `block_size` tokens of one layer. Every format keeps all arrays of
 (values, and for quantized formats codes, scales, outliers) under the same block id, so the
 block pool hands out ids without knowing the format. `create_kv_cache` picks the class by its
 `kv_cache_dtype` name; `kv_bytes_per_token` gives the exact bytes each format allocates.
+
+`store` and `attention` run the Triton kernels (app/kernels/) on CUDA and the torch reference
+path elsewhere; `KVCache.kernels_enabled` is the one place that chooses.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
+import importlib.util
 
 import torch
 
@@ -38,8 +43,34 @@ class KVCache(ABC):
         self.spec = spec
         self.num_blocks = num_blocks
         self.device = torch.device(device)
+        self.use_kernels: bool | None = None  # None: decided by kernels_enabled() on first use
+        self.check_finite = True  # quantized formats refuse NaN/Inf before writing (a device sync)
+
+    def kernels_enabled(self) -> bool:
+        """The one place that picks the path: Triton kernels on CUDA when they support this cache's
+        shapes and dtypes, the torch reference otherwise. Setting `use_kernels` overrides it (tests
+        run the kernels on CPU under TRITON_INTERPRET=1)."""
+        if self.use_kernels is None:
+            self.use_kernels = self.device.type == "cuda" and self.kernel_problem() is None
+        return self.use_kernels
+
+    def kernel_problem(self) -> str | None:
+        """Why the kernels cannot serve this cache, or None."""
+        d = self.spec.head_dim
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        if d & (d - 1) or not 32 <= d <= 256:
+            return f"head_dim {d} is not a power of two in [32, 256]"
+        if self.spec.compute_dtype not in (torch.bfloat16, torch.float16):
+            return f"compute dtype {self.spec.compute_dtype} (kernels take bf16/fp16 queries)"
+        return None
 
     @abstractmethod
+    def layer_pages(self, layer: int):
+        """(K pages, V pages) of one layer in the kernels' forms (app/kernels/paged.py)."""
+
+    kernel_formats: tuple = (None, None)  # (K, V) FP4Format for fp4 pages
+
     def store(
         self,
         layer: int,
@@ -48,6 +79,16 @@ class KVCache(ABC):
         slot_mapping: torch.Tensor,  # [num_tokens] int64
     ) -> None:
         """Write (quantizing if the format does) the new tokens' K/V into their slots."""
+        if self.kernels_enabled():
+            from app.kernels.store_kv import store_kv
+
+            store_kv(key, value, slot_mapping, *self.layer_pages(layer), self.kernel_formats, self.check_finite)
+        else:
+            self._store_ref(layer, key, value, slot_mapping)
+
+    @abstractmethod
+    def _store_ref(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The torch path of `store`."""
 
     @abstractmethod
     def read_blocks(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,10 +102,29 @@ class KVCache(ABC):
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Each sequence's new tokens attend causally to its cached tokens (themselves included)."""
-        return self._attend(layer, query, meta, scale, self.read_blocks)
+        if self.kernels_enabled():
+            return self._attend_kernels(layer, query, meta, scale)
+        return self._attend(layer, query, meta, scale, self.read_exact)
+
+    def read_exact(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention reads: the pages' exact values (quantized formats dequantize to float32,
+        as the kernels do in registers, rather than rounding to the compute dtype)."""
+        return self.read_blocks(layer, block_ids)
+
+    def _attend_kernels(self, layer, query, meta, scale) -> torch.Tensor:
+        """A step of decodes only runs split-KV flash-decoding; any other step the prefill kernel."""
+        from app.kernels.decode_attention import decode_attention
+        from app.kernels.prefill_attention import prefill_attention
+
+        k_pages, v_pages = self.layer_pages(layer)
+        if meta.max_query_len == 1:
+            return decode_attention(query, k_pages, v_pages, meta.block_tables, meta.seq_lens_tensor, scale,
+                                    meta.max_seq_len, self.kernel_formats)
+        return prefill_attention(query, k_pages, v_pages, meta.block_tables, meta.seq_lens_tensor,
+                                 meta.query_start_loc_tensor, scale, self.kernel_formats)
 
     def _attend(self, layer, query, meta, scale, read_blocks) -> torch.Tensor:
-        """Torch reference over pages that `read_blocks(layer, ids)` returns.
+        """Torch reference over pages that `read_blocks(layer, ids)` returns (read_exact: float32).
 
         Sequences with one new token (decodes) are batched into one padded gather; the others
         (prefill chunks) run one by one.
@@ -116,7 +176,15 @@ class DenseKVCache(KVCache):
         itemsize = (dtype or spec.compute_dtype).itemsize
         return 2 * spec.num_kv_heads * spec.head_dim * itemsize
 
-    def store(self, layer, key, value, slot_mapping) -> None:
+    def kernel_problem(self) -> str | None:
+        if self.dtype != self.spec.compute_dtype:
+            return f"{self.name} pages with {self.spec.compute_dtype} compute"
+        return super().kernel_problem()
+
+    def layer_pages(self, layer):
+        return self.k_cache[layer], self.v_cache[layer]
+
+    def _store_ref(self, layer, key, value, slot_mapping) -> None:
         s = self.spec
         self.k_cache[layer].view(-1, s.num_kv_heads, s.head_dim)[slot_mapping] = key.to(self.dtype)
         self.v_cache[layer].view(-1, s.num_kv_heads, s.head_dim)[slot_mapping] = value.to(self.dtype)
@@ -147,7 +215,10 @@ class FP8KVCache(KVCache):
     def bytes_per_token_per_layer(cls, spec: KVCacheSpec) -> int:
         return 2 * spec.num_kv_heads * (spec.head_dim + fp4.FP8_BYTES_PER_VECTOR_EXTRA)
 
-    def store(self, layer, key, value, slot_mapping) -> None:
+    def layer_pages(self, layer):
+        return self.pages[2 * layer], self.pages[2 * layer + 1]
+
+    def _store_ref(self, layer, key, value, slot_mapping) -> None:
         quantized = [fp4.fp8_quantize(key), fp4.fp8_quantize(value)]  # both checked before any write
         for i, (values, scale) in enumerate(quantized):
             page_values, page_scale = self.pages[2 * layer + i]
@@ -156,7 +227,11 @@ class FP8KVCache(KVCache):
 
     def read_blocks(self, layer, block_ids):
         dt = self.spec.compute_dtype
-        k, v = (fp4.fp8_dequantize(values[block_ids], scale[block_ids]).to(dt)
+        k, v = self.read_exact(layer, block_ids)
+        return k.to(dt), v.to(dt)
+
+    def read_exact(self, layer, block_ids):
+        k, v = (fp4.fp8_dequantize(values[block_ids], scale[block_ids])
                 for values, scale in self.pages[2 * layer : 2 * layer + 2])
         return k, v
 
@@ -192,23 +267,44 @@ class FP4KVCache(KVCache):
     def bytes_per_token_per_layer(cls, spec: KVCacheSpec, formats: tuple[fp4.FP4Format, fp4.FP4Format]) -> int:
         return spec.num_kv_heads * sum(fmt.bytes_per_vector(spec.head_dim) for fmt in formats)
 
+    @property
+    def kernel_formats(self):
+        return self.formats
+
+    def kernel_problem(self) -> str | None:
+        if any(len(fmt.scale_targets) > 4 for fmt in self.formats):
+            return "more than 4 fp4 scale_targets"
+        return super().kernel_problem()
+
+    def layer_pages(self, layer):
+        return self.pages[2 * layer], self.pages[2 * layer + 1]
+
     def store(self, layer, key, value, slot_mapping) -> None:
+        if self.rotation is not None and self.kernels_enabled():  # the rotation stays in torch
+            key, value = key.float() @ self.rotation, value.float() @ self.rotation
+        super().store(layer, key, value, slot_mapping)
+
+    def _store_ref(self, layer, key, value, slot_mapping) -> None:
         quantized = [fp4.fp4_quantize(x, fmt, self.rotation) for x, fmt in zip((key, value), self.formats)]
         for i, q in enumerate(quantized):  # both checked (NaN/Inf) before any write
             for page, new in zip(self.pages[2 * layer + i], q):
                 if new.numel():  # outlier arrays are empty without outlier slots
                     page.view(-1, *new.shape[1:])[slot_mapping] = new
 
-    def _read(self, layer, block_ids, rotated: bool):
-        dt = self.spec.compute_dtype
+    def _read(self, layer, block_ids, rotated: bool):  # float32
         rotation = None if rotated else self.rotation
         out = []
         for i in range(2):
             q = fp4.FP4Tensor(*(page[block_ids] for page in self.pages[2 * layer + i]))
-            out.append(fp4.fp4_dequantize(q, self.formats[i], rotation).to(dt))
+            out.append(fp4.fp4_dequantize(q, self.formats[i], rotation))
         return out[0], out[1]
 
     def read_blocks(self, layer, block_ids):
+        dt = self.spec.compute_dtype
+        k, v = self._read(layer, block_ids, rotated=False)
+        return k.to(dt), v.to(dt)
+
+    def read_exact(self, layer, block_ids):
         return self._read(layer, block_ids, rotated=False)
 
     def attention(self, layer, query, meta, scale):
@@ -216,7 +312,10 @@ class FP4KVCache(KVCache):
             return super().attention(layer, query, meta, scale)
         # Attend in the rotated basis: q R . k R = q . k, and P (V R) R^T = P V.
         q = (query.float() @ self.rotation).to(query.dtype)
-        out = self._attend(layer, q, meta, scale, lambda lyr, ids: self._read(lyr, ids, rotated=True))
+        if self.kernels_enabled():
+            out = self._attend_kernels(layer, q, meta, scale)
+        else:
+            out = self._attend(layer, q, meta, scale, lambda lyr, ids: self._read(lyr, ids, rotated=True))
         return (out.float() @ self.rotation.T).to(query.dtype)
 
 
