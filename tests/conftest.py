@@ -1,6 +1,12 @@
 """Shared fixtures: paths of the real tiny model in ../shared."""
 
+import os
 from pathlib import Path
+
+# Kernel tests run the Triton kernels on CPU tensors through Triton's interpreter. triton.jit reads
+# the flag when a kernel module is imported (app.engine.kv_cache may import them), so it is set
+# here, before any test module loads. CPU tests never launch a compiled kernel.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

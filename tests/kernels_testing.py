@@ -1,0 +1,76 @@
+"""Shared cases for the kernel tests: random paged caches in every format, block tables, poison.
+
+The kernel tests run Triton under TRITON_INTERPRET=1 (set in conftest.py before any kernel module
+is imported) on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from app.config import FP4Config
+from app.kernels import paged
+from app.kernels.fp4 import FP4Format
+
+DEFAULT_FP4 = FP4Config().formats()  # K: groups of 32, 4 outlier slots; V: groups of 32; scale search
+FORMATS = {
+    "bf16": ("bf16", (None, None)),
+    "fp8": ("fp8", (None, None)),
+    "fp4": ("fp4", DEFAULT_FP4),
+    "fp4-plain": ("fp4", (FP4Format(), FP4Format())),  # NVFP4-like: groups of 16, no outliers, amax -> 6
+    "fp4-zscore": ("fp4", (FP4Format(group_size=32, outliers=3, outlier_mode="zscore", zscore=2.5,
+                                     scale_targets=(6.0, 4.0)),
+                           FP4Format(group_size=16, outliers=1))),
+}
+
+
+def keys_like_llama(*shape: int, gen: torch.Generator) -> torch.Tensor:
+    """Gaussian vectors with a few massive channels (the structure outlier slots are for)."""
+    x = torch.randn(*shape, generator=gen)
+    d = shape[-1]
+    channels = torch.randperm(d, generator=gen)[:3]
+    x[..., channels] *= 12.0
+    return x * torch.exp(0.3 * torch.randn(*shape[:-1], 1, generator=gen))  # per-vector magnitude
+
+
+def random_pages(name: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, seed: int = 0):
+    """(k_pages, v_pages, formats) holding random K/V quantized by the torch reference."""
+    kind, formats = FORMATS[name]
+    gen = torch.Generator().manual_seed(seed)
+    k = keys_like_llama(num_blocks, block_size, num_kv_heads, head_dim, gen=gen)
+    v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    return paged.quantize_pages(k, kind, formats[0]), paged.quantize_pages(v, kind, formats[1]), formats
+
+
+def block_tables(seq_lens: list[int], block_size: int, seed: int = 0) -> tuple[torch.Tensor, int]:
+    """Shuffled, disjoint pages for each sequence: ([num_seqs, max_blocks] int32 padded with 0, num_blocks)."""
+    need = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(need) + 1
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    table = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = torch.tensor(perm[start : start + n], dtype=torch.int32)
+        start += n
+    return table, num_blocks
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "NaN in the output: an element was never written"
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def poison(pages):
+    """Fill every page array with a bit pattern no kernel writes (NaN for floating dense pages)."""
+    if isinstance(pages, torch.Tensor):
+        return pages.fill_(float("nan"))
+    for t in pages:
+        t.view(torch.uint8).fill_(0xA5)
+    return pages
+
+
+def page_bits(pages) -> list[torch.Tensor]:
+    arrays = [pages] if isinstance(pages, torch.Tensor) else list(pages)
+    return [t.contiguous().view(torch.uint8) for t in arrays]

@@ -1,0 +1,86 @@
+"""Split-KV flash-decoding (Triton, interpreted on CPU) against float32 attention over the
+dequantized pages.
+
+Bound: the kernel computes in float32 around bf16 tensor-core products of exact operands and writes
+bf16 outputs, so its relative error against the float32 reference is about one bf16 rounding
+(2^-9 = 2e-3): 1e-2 is the bound. Outputs are poisoned with NaN first.
+"""
+
+import pytest
+import torch
+
+from app.kernels.decode_attention import decode_attention, decode_attention_ref
+from kernels_testing import block_tables, random_pages, rel_err
+
+ODD_LENGTHS = [1, 15, 16, 17, 1025, 1027]
+SHORT = [1, 15, 16, 17, 100]  # the interpreter is slow: long sequences only where they add something
+# (format, (num_kv_heads, group, head_dim, block_size), seq_lens): every format, GQA 1/4/8, head_dim
+# 64/128, block size 1/16 and the odd lengths each appear; the full product is test_decode_full_grid
+CASES = [
+    ("bf16", (2, 1, 64, 16), ODD_LENGTHS),
+    ("bf16", (1, 8, 128, 1), ODD_LENGTHS),
+    ("fp8", (1, 4, 64, 16), ODD_LENGTHS),
+    ("fp8", (2, 1, 128, 1), SHORT),
+    ("fp4", (1, 4, 128, 16), ODD_LENGTHS),
+    ("fp4", (2, 1, 64, 1), SHORT),
+    ("fp4", (1, 8, 64, 16), SHORT),
+    ("fp4-plain", (1, 4, 64, 16), SHORT),
+    ("fp4-zscore", (2, 4, 64, 1), SHORT),
+]
+
+
+def _run(name, seq_lens, num_kv_heads, group, head_dim, block_size, seed=0, block_n=128, **kw):
+    table, num_blocks = block_tables(seq_lens, block_size, seed)
+    k_pages, v_pages, formats = random_pages(name, num_blocks, block_size, num_kv_heads, head_dim, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).bfloat16()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    out = torch.full_like(query, float("nan"))
+    decode_attention(query, k_pages, v_pages, table, lens, scale, max(seq_lens), formats, out=out, block_n=block_n,
+                     **kw)
+    ref = decode_attention_ref(query, k_pages, v_pages, table, lens, scale, formats)
+    return out, ref
+
+
+@pytest.mark.parametrize("name,shape,seq_lens", CASES)
+def test_decode_matches_reference(name, shape, seq_lens):
+    out, ref = _run(name, seq_lens, *shape, num_splits=3)
+    assert rel_err(out, ref) < 1e-2
+
+
+def test_one_split_equals_many():
+    """Splits merged by log-sum-exp give the one-split result (up to bf16 rounding of the output);
+    seven splits of 1027 tokens leave some splits empty for the shorter sequence."""
+    seq_lens = [1027, 17]
+    one, ref = _run("fp4", seq_lens, 1, 4, 64, 16, num_splits=1)
+    many, _ = _run("fp4", seq_lens, 1, 4, 64, 16, num_splits=7)
+    assert rel_err(many, one) < 4e-3 and rel_err(one, ref) < 1e-2
+
+
+def test_block_n_64_and_precise_pv():
+    out, ref = _run("fp4", [17, 64, 65, 129], 1, 4, 64, 16, block_n=64, num_splits=2)
+    precise, _ = _run("fp4", [17, 64, 65, 129], 1, 4, 64, 16, block_n=64, num_splits=2, precise_pv=True)
+    assert rel_err(out, ref) < 1e-2 and rel_err(precise, ref) < 1e-2
+
+
+def test_decode_checks_its_inputs():
+    table, num_blocks = block_tables([5], 16)
+    k_pages, v_pages, formats = random_pages("fp4", num_blocks, 16, 2, 64)
+    query = torch.randn(1, 4, 64).bfloat16()
+    lens = torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(AssertionError, match="query head_dim 32 disagree"):
+        decode_attention(query[..., :32], k_pages, v_pages, table, lens, 1.0, 5, formats)
+    with pytest.raises(AssertionError, match="num_heads 3 not a multiple of num_kv_heads 2"):
+        decode_attention(query[:, :3], k_pages, v_pages, table, lens, 1.0, 5, formats)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bf16", "fp8", "fp4", "fp4-plain", "fp4-zscore"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_decode_full_grid(name, group, head_dim, block_size, num_splits):
+    out, ref = _run(name, ODD_LENGTHS, 2, group, head_dim, block_size, num_splits=num_splits)
+    assert rel_err(out, ref) < 1e-2

@@ -1,0 +1,88 @@
+"""store_kv (Triton, interpreted on CPU) against the torch path that defines the bits.
+
+fp4 and fp8 must write the same bytes as app/kernels/fp4.py into every page array; slots the step
+does not own (and padding slots, -1) must keep their poison.
+"""
+
+import pytest
+import torch
+
+from app.kernels import paged
+from app.kernels.store_kv import store_kv, store_kv_ref
+from kernels_testing import FORMATS, keys_like_llama, page_bits, poison, random_pages
+
+
+def _stored(name, key, value, slots, num_blocks, block_size, kernel: bool):
+    num_kv_heads, head_dim = key.shape[1:]
+    k_pages, v_pages, formats = random_pages(name, num_blocks, block_size, num_kv_heads, head_dim)
+    poison(k_pages), poison(v_pages)
+    (store_kv if kernel else store_kv_ref)(key, value, slots, k_pages, v_pages, formats)
+    return k_pages, v_pages, formats
+
+
+def _case(num_tokens, num_kv_heads, head_dim, num_blocks, block_size, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    magnitude = 10 ** torch.empty(num_tokens, 1, 1).uniform_(-3, 3, generator=gen)  # 1e-3 .. 1e3
+    key = keys_like_llama(num_tokens, num_kv_heads, head_dim, gen=gen) * magnitude
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[num_tokens // 2] = -1  # a padding token: written nowhere
+    return key.to(dtype), value.to(dtype), slots
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 1)])
+def test_store_writes_the_reference_bits(name, head_dim, block_size):
+    num_blocks = 64 // block_size + 3
+    key, value, slots = _case(37, 2, head_dim, num_blocks, block_size, torch.float32)
+    got = _stored(name, key, value, slots, num_blocks, block_size, kernel=True)
+    want = _stored(name, key, value, slots, num_blocks, block_size, kernel=False)
+    for pages_got, pages_want in zip(got[:2], want[:2]):
+        for a, b in zip(page_bits(pages_got), page_bits(pages_want)):
+            assert torch.equal(a, b)
+
+
+def _rows(pages, slots):
+    """The vectors of the given slots (the rest of the pages holds poison)."""
+    if isinstance(pages, torch.Tensor):
+        return pages.flatten(0, 1)[slots]
+    rows = [t.flatten(0, 1)[slots] for t in pages]
+    return tuple(rows) if type(pages) is tuple else type(pages)(*rows)
+
+
+@pytest.mark.parametrize("name", ["fp4", "fp8"])
+def test_store_from_bf16_matches_up_to_outlier_ties(name):
+    """The engine stores bf16 K/V, where equal magnitudes happen: torch.topk's choice among ties is
+    unspecified, the kernel takes the lowest index. Vectors may differ only there, and then
+    dequantize about as well."""
+    key, value, slots = _case(64, 4, 128, 8, 16, torch.bfloat16, seed=3)
+    got = _stored(name, key, value, slots, 8, 16, kernel=True)
+    want = _stored(name, key, value, slots, 8, 16, kernel=False)
+    written = slots[slots >= 0]
+    for i, x in enumerate((key, value)):
+        a = paged.dequantize_pages(_rows(got[i], written), got[2][i])
+        b = paged.dequantize_pages(_rows(want[i], written), want[2][i])
+        same = (a == b).all(-1)
+        assert same.float().mean() > 0.97
+        err_a = (a - x[slots >= 0].float()).norm(dim=-1)
+        err_b = (b - x[slots >= 0].float()).norm(dim=-1)
+        assert (err_a <= 1.05 * err_b + 1e-6).all()
+
+
+def test_store_refuses_non_finite_and_writes_nothing():
+    key, value, slots = _case(5, 2, 64, 4, 16, torch.float32)
+    value[3, 1, 7] = float("nan")
+    k_pages, v_pages, formats = random_pages("fp4", 4, 16, 2, 64)
+    before = [t.clone() for t in page_bits(k_pages) + page_bits(v_pages)]
+    with pytest.raises(ValueError, match=r"non-finite value in K/V at index \[3, 1, 7\]"):
+        store_kv(key, value, slots, k_pages, v_pages, formats)
+    assert all(torch.equal(a, b) for a, b in zip(before, page_bits(k_pages) + page_bits(v_pages)))
+
+
+def test_store_checks_its_inputs():
+    key, value, slots = _case(4, 2, 64, 4, 16, torch.float32)
+    k_pages, v_pages, formats = random_pages("fp4", 4, 16, 2, 64)
+    with pytest.raises(AssertionError, match="fp4 pages need their FP4Format"):
+        store_kv(key, value, slots, k_pages, v_pages)
+    with pytest.raises(AssertionError, match="hold 2 heads x 64, K/V have 2 x 32"):
+        store_kv(key[..., :32], value[..., :32], slots, k_pages, v_pages, formats)
