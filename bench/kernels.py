@@ -1,0 +1,427 @@
+"""Kernel checks and timings on one GPU (issue 4), in one run.
+
+    python3 bench/kernels.py --tune --json $OUT/kernels.json
+
+1. ceilings: device-to-device copy bandwidth (bytes read + written), measured here;
+2. checks at small sizes on realistic data: store_kv bits against the torch path, decode and
+   prefill against float32 attention over the dequantized pages, the inline-PTX fp4 unpack
+   against plain Triton;
+3. decode: fp4 pages vs torch SDPA bf16 on contiguous K/V (enable_gqa, fastest backend) vs our bf16
+   paged kernel, Llama-3.1-8B per GPU (32 q heads, 8 KV heads) and 70B at TP=8 (8 q heads, 1 KV
+   head), head_dim 128, contexts 1k-64k, batch 1-128; effective bandwidth = KV bytes / time;
+4. store_kv cost per token; 5. prefill TFLOP/s against SDPA bf16 (causal); 6. the engine smoke:
+   greedy tokens with the kernels vs the torch path (Llama-3.1-8B shapes, dummy weights).
+Timings are triton.testing.do_bench medians (ms) of a CUDA graph holding one call; host launch
+cost is timed apart. Pages are shuffled over the cache; timed pages hold random bytes of valid
+encodings (never zeros). --tune adds decode variants at 8k/32k x batch 1/32. Each section's
+results are written to --json as it ends, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from app.config import FP4Config  # noqa: E402
+from app.kernels import fp4, paged  # noqa: E402
+from app.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from app.kernels.prefill_attention import prefill_attention, prefill_attention_ref  # noqa: E402
+from app.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
+
+DEV = torch.device("cuda")
+FORMATS = FP4Config().formats()
+HEAD_DIM = 128
+BLOCK = 16
+MODELS = {"8B": (32, 8), "70B-TP8": (8, 1)}  # (q heads, KV heads) per GPU
+FP4_BYTES = sum(f.bytes_per_vector(HEAD_DIM) for f in FORMATS)  # K + V per token and KV head: 150
+BF16_BYTES = 2 * 2 * HEAD_DIM  # 512
+
+
+def bench(fn, reps: int = 100) -> float:
+    """Median ms of fn's device work: fn is captured in a CUDA graph and the graph replayed, so
+    host launch overhead (timed separately, launch_overhead) stays out of kernel times."""
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = do_bench(graph.replay, warmup=25, rep=reps, return_mode="median")
+    del graph
+    return ms
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Wall microseconds per call of fn issued back to back (host launch path included)."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 4 GiB device-to-device copy."""
+    src = torch.randint(0, 255, (4 << 30,), dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    return 2 * (4 << 30) / ms * 1e3
+
+
+# -- caches --------------------------------------------------------------------------------------
+def shuffled_tables(batch: int, ctx: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    per = math.ceil(ctx / BLOCK)
+    num_blocks = batch * per
+    perm = torch.randperm(num_blocks, generator=gen).to(DEV)
+    return perm.view(batch, per).to(torch.int32), num_blocks
+
+
+def random_fp4_pages(num_blocks: int, heads: int, fmt: fp4.FP4Format) -> fp4.FP4Tensor:
+    """Valid random encodings: any code byte, scales 0.5..8, second-level exponents near 2^0."""
+    shape = (num_blocks, BLOCK, heads)
+    g = fmt.group(HEAD_DIM)
+    return fp4.FP4Tensor(
+        codes=torch.randint(0, 256, (*shape, HEAD_DIM // 2), dtype=torch.uint8, device=DEV),
+        scales=torch.randint(0x30, 0x58, (*shape, HEAD_DIM // g), dtype=torch.uint8,
+                             device=DEV).view(torch.float8_e4m3fn),
+        scale_exp=torch.randint(120, 128, shape, dtype=torch.uint8, device=DEV),
+        out_vals=torch.randn(*shape, fmt.outliers, device=DEV).bfloat16(),
+        out_idx=torch.randint(0, HEAD_DIM, (*shape, fmt.outliers), dtype=torch.uint8, device=DEV),
+    )
+
+
+def realistic(batch: int, ctx: int, heads: int, gen_seed: int):
+    """Keys with a few massive channels and Gaussian values, contiguous [batch, ctx, heads, D]."""
+    g = torch.Generator(device=DEV).manual_seed(gen_seed)
+    k = torch.randn(batch, ctx, heads, HEAD_DIM, device=DEV, generator=g)
+    k[..., :3] *= 12.0
+    v = torch.randn(batch, ctx, heads, HEAD_DIM, device=DEV, generator=g)
+    return k, v
+
+
+# -- checks --------------------------------------------------------------------------------------
+def checks(results: dict) -> None:
+    torch.manual_seed(0)
+    out = {}
+    # store_kv: bits against the torch path (CUDA), fp32 and bf16 inputs
+    for kind, fmts in (("fp4", FORMATS), ("fp8", (None, None)), ("bf16", (None, None))):
+        for dtype in (torch.float32, torch.bfloat16):
+            t, h = 4096, 8
+            k, v = (x.reshape(t, h, HEAD_DIM).to(dtype) for x in realistic(1, t, h, 1))
+            slots = torch.randperm(300 * BLOCK, device=DEV)[:t]
+            pages = []
+            for fn in (store_kv, store_kv_ref):
+                z = torch.zeros(300, BLOCK, h, HEAD_DIM, device=DEV)
+                kp, vp = paged.quantize_pages(z, kind, fmts[0]), paged.quantize_pages(z, kind, fmts[1])
+                fn(k, v, slots, kp, vp, fmts)
+                pages.append((kp, vp))
+            diff = 0
+            total = 0
+            for a_pages, b_pages in zip(*pages):
+                arrays = zip([a_pages] if kind == "bf16" else a_pages, [b_pages] if kind == "bf16" else b_pages)
+                for a, b in arrays:
+                    if a.numel():
+                        a8, b8 = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+                        diff += (a8 != b8).sum().item()
+                        total += a8.numel()
+            out[f"store_{kind}_{str(dtype)[6:]}_bytes_differing"] = f"{diff} / {total}"
+    # decode and prefill against float32 attention on the dequantized pages; PTX vs plain Triton
+    for (hq, hk), name in ((MODELS["8B"], "8B"), (MODELS["70B-TP8"], "70B-TP8")):
+        lens = [1, 17, 1000, 4097, 9000]
+        gen = torch.Generator().manual_seed(1)
+        table, nb = shuffled_tables(len(lens), max(lens), gen)
+        for kind, fmts in (("fp4", FORMATS), ("fp8", (None, None)), ("bf16", (None, None))):
+            x = [torch.randn(nb, BLOCK, hk, HEAD_DIM, device=DEV) for _ in range(2)]
+            x[0][..., :3] *= 12.0
+            kp, vp = paged.quantize_pages(x[0], kind, fmts[0]), paged.quantize_pages(x[1], kind, fmts[1])
+            q = torch.randn(len(lens), hq, HEAD_DIM, device=DEV).bfloat16()
+            sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+            ref = decode_attention_ref(q, kp, vp, table, sl, HEAD_DIM ** -0.5, fmts)
+            variants = {"auto": {}, "one_split": {"num_splits": 1}, "precise": {"precise_pv": True}}
+            if kind == "fp4":
+                variants.update({"plain_triton": {"asm": False}})
+            for vname, kw in variants.items():
+                o = torch.full_like(q, float("nan"))
+                decode_attention(q, kp, vp, table, sl, HEAD_DIM ** -0.5, max(lens), fmts, out=o, **kw)
+                out[f"decode_{name}_{kind}_{vname}_rel_err"] = ((o.float() - ref).norm() / ref.norm()).item()
+            chunks = [(0, 300), (4000, 97), (8999, 1), (700, 300), (0, 1)]
+            qsl = torch.tensor([0] + [c for _, c in chunks], device=DEV).cumsum(0).to(torch.int32)
+            plens = torch.tensor([a + b for a, b in chunks], dtype=torch.int32, device=DEV)
+            qp = torch.randn(int(qsl[-1]), hq, HEAD_DIM, device=DEV).bfloat16()
+            ref = prefill_attention_ref(qp, kp, vp, table, plens, qsl, HEAD_DIM ** -0.5, fmts)
+            o = torch.full_like(qp, float("nan"))
+            prefill_attention(qp, kp, vp, table, plens, qsl, HEAD_DIM ** -0.5, fmts, out=o)
+            out[f"prefill_{name}_{kind}_rel_err"] = ((o.float() - ref).norm() / ref.norm()).item()
+    results["checks"] = out
+    for key, val in out.items():
+        print(f"check {key}: {val}")
+
+
+# -- decode --------------------------------------------------------------------------------------
+def sdpa_decode(q4, k, v):
+    return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+
+
+def best_sdpa(q4, k, v) -> tuple[float, str]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    best = (float("inf"), "none")
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                sdpa_decode(q4, k, v)
+                ms = bench(lambda: sdpa_decode(q4, k, v))
+        except RuntimeError:
+            continue
+        best = min(best, (ms, backend.name))
+    return best
+
+
+def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool) -> None:
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for model, (hq, hk) in MODELS.items():
+        for ctx in contexts:
+            for batch in batches:
+                kv_bytes = batch * ctx * hk * BF16_BYTES  # bf16 K+V, each of SDPA's and ours
+                if 2 * kv_bytes + batch * ctx * hk * FP4_BYTES > 100e9:
+                    continue
+                table, nb = shuffled_tables(batch, ctx, gen)
+                sl = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+                q = torch.randn(batch, hq, HEAD_DIM, device=DEV).bfloat16()
+                scale = HEAD_DIM ** -0.5
+                row = {"model": model, "ctx": ctx, "batch": batch}
+                # SDPA on contiguous [batch, heads, ctx, D]
+                k = torch.randn(batch, hk, ctx, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+                v = torch.randn_like(k)
+                row["sdpa_ms"], row["sdpa_backend"] = best_sdpa(q[:, :, None], k, v)
+                del k, v
+                # our bf16 paged kernel
+                kp = torch.randn(nb, BLOCK, hk, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+                vp = torch.randn_like(kp)
+                row["bf16_paged_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx))
+                if tune and ctx in (8192, 32768) and batch in (1, 32):
+                    row["bf16_paged_precise_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
+                                                                                  precise_pv=True))
+                    row["bf16_paged_bn128_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
+                                                                                block_n=128))
+                del kp, vp
+                # fp4
+                kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
+                row["fp4_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
+                if model == "8B" and ctx == 1024 and batch == 1:
+                    results["launch_overhead_us"] = {
+                        "decode_fp4_host_us_per_call": host_us(
+                            lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS)),
+                        "decode_fp4_graph_us": 1e3 * row["fp4_ms"]}
+                if tune and ctx in (8192, 32768) and batch in (1, 32):
+                    for name, kw in TUNE_VARIANTS.items():
+                        row[f"fp4_{name}_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
+                                                                               FORMATS, **kw))
+                    # what the 4 key outlier slots cost: keys in the values' format (no slots)
+                    kp0 = random_fp4_pages(nb, hk, FORMATS[1])
+                    row["fp4_no_key_outliers_ms"] = bench(lambda: decode_attention(q, kp0, vp, table, sl, scale, ctx,
+                                                                                   (FORMATS[1], FORMATS[1])))
+                    del kp0
+                del kp, vp
+                torch.cuda.empty_cache()
+                row["fp4_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp4_ms"]
+                row["bf16_paged_vs_sdpa"] = row["bf16_paged_ms"] / row["sdpa_ms"]
+                row["fp4_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP4_BYTES / (row["fp4_ms"] * 1e-3) / copy_bw
+                row["sdpa_eff_bw_pct_copy"] = 100 * kv_bytes / (row["sdpa_ms"] * 1e-3) / copy_bw
+                row["bf16_paged_eff_bw_pct_copy"] = 100 * kv_bytes / (row["bf16_paged_ms"] * 1e-3) / copy_bw
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    results["decode"] = rows
+
+
+TUNE_VARIANTS = {  # the default: block_n 128, 4 warps, num_stages 2, PTX unpack
+    "bn64": {"block_n": 64},
+    "bn128_w8": {"block_n": 128, "num_warps": 8},
+    "precise": {"precise_pv": True},
+    "plain": {"asm": False},
+}
+
+
+# -- store ---------------------------------------------------------------------------------------
+def store_section(results: dict) -> None:
+    rows = []
+    hk = MODELS["8B"][1]
+    for tokens in (32, 128, 2048, 8192):
+        k = torch.randn(tokens, hk, HEAD_DIM, device=DEV).bfloat16()
+        v = torch.randn_like(k)
+        slots = torch.randperm(1024 * BLOCK, device=DEV)[:tokens]
+        row = {"tokens": tokens}
+        for kind, fmts in (("fp4", FORMATS), ("fp8", (None, None)), ("bf16", (None, None))):
+            z = torch.zeros(1024, BLOCK, hk, HEAD_DIM, device=DEV)
+            kp, vp = paged.quantize_pages(z, kind, fmts[0]), paged.quantize_pages(z, kind, fmts[1])
+            row[f"{kind}_us"] = 1e3 * bench(lambda: store_kv(k, v, slots, kp, vp, fmts, check_finite=False))
+            row[f"{kind}_ns_per_token"] = 1e6 * row[f"{kind}_us"] / 1e3 / tokens
+            row[f"{kind}_host_us"] = host_us(lambda: store_kv(k, v, slots, kp, vp, fmts, check_finite=False))
+            if kind != "bf16":  # the NaN/Inf check syncs with the host: no graph, wall time per call
+                row[f"{kind}_checked_host_us"] = host_us(lambda: store_kv(k, v, slots, kp, vp, fmts))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    results["store"] = rows
+
+
+# -- prefill -------------------------------------------------------------------------------------
+def prefill_section(results: dict) -> None:
+    rows = []
+    gen = torch.Generator().manual_seed(2)
+    for model, (hq, hk) in MODELS.items():
+        for batch, new, ctx in ((4, 4096, 0), (2, 2048, 16384)):
+            total = ctx + new
+            table, nb = shuffled_tables(batch, total, gen)
+            sl = torch.full((batch,), total, dtype=torch.int32, device=DEV)
+            qsl = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * new
+            q = torch.randn(batch * new, hq, HEAD_DIM, device=DEV).bfloat16()
+            # causal FLOPs: each new token attends to ctx + its position + 1 keys; 4 FLOPs per key and dim
+            flops = 4 * batch * hq * HEAD_DIM * (new * ctx + new * (new + 1) / 2)
+            row = {"model": model, "batch": batch, "new_tokens": new, "ctx": ctx}
+            kp = torch.randn(nb, BLOCK, hk, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+            vp = torch.randn_like(kp)
+            row["bf16_paged_ms"] = bench(lambda: prefill_attention(q, kp, vp, table, sl, qsl, HEAD_DIM ** -0.5))
+            row["bf16_paged_precise_ms"] = bench(lambda: prefill_attention(q, kp, vp, table, sl, qsl, HEAD_DIM ** -0.5,
+                                                                           precise_pv=True))
+            del kp, vp
+            kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
+            row["fp4_ms"] = bench(lambda: prefill_attention(q, kp, vp, table, sl, qsl, HEAD_DIM ** -0.5, FORMATS))
+            row["fp4_precise_ms"] = bench(lambda: prefill_attention(q, kp, vp, table, sl, qsl, HEAD_DIM ** -0.5,
+                                                                    FORMATS, precise_pv=True))
+            del kp, vp
+            if ctx == 0:  # SDPA's is_causal aligns the mask top-left, right only when q and k have one length
+                qs = torch.randn(batch, hq, new, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+                ks = torch.randn(batch, hk, total, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+                vs = torch.randn_like(ks)
+                row["sdpa_ms"] = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                                              enable_gqa=True))
+                del qs, ks, vs
+            for key in ("bf16_paged", "bf16_paged_precise", "fp4", "fp4_precise", "sdpa"):
+                if f"{key}_ms" in row:
+                    row[f"{key}_tflops"] = flops / (row[f"{key}_ms"] * 1e-3) / 1e12
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    results["prefill"] = rows
+
+
+# -- end to end ----------------------------------------------------------------------------------
+def smoke_section(results: dict, max_tokens: int = 24) -> None:
+    """The engine (Llama-3.1-8B shapes, dummy weights): greedy tokens with the kernels vs the torch
+    reference path on the same engine, for fp4 and bf16 KV, and the wall time of each."""
+    from app import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = [[(7 * i + 3) % 250 + 3 for i in range(n)] for n in (5, 37, 300)]
+    results["smoke"] = {}
+    for kv in ("fp4", "bf16"):
+        llm = LLM(model="llama-3.1-8b", kv_cache_dtype=kv, device="cuda", max_model_len=2048,
+                  kv_cache_memory=8 << 30, enable_prefix_caching=False)
+        cache = llm.engine.kv_cache
+        out = {}
+        # "attention": the torch path stores (so both read the same pages), the kernels attend
+        for path, use in (("kernels", True), ("torch", False), ("attention", True)):
+            cache.use_kernels = use
+            if path == "attention":
+                cache.store = cache._store_ref
+            t = time.time()
+            out[path] = [o.token_ids for o in llm.generate(prompts, params)]
+            out[f"{path}_s"] = time.time() - t
+        del cache.store
+
+        def equal_prefix(a):
+            return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, out["torch"])]
+
+        # how sensitive the random-weight model is: the torch path, prompts one at a time (other
+        # matmul shapes, so other bf16 roundings) against the batch
+        cache.use_kernels = False
+        alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+        results["smoke"].setdefault("torch_alone_vs_batched_equal_prefix", {})[kv] = equal_prefix(alone)
+        results["smoke"][kv] = {"tokens_equal_prefix": equal_prefix(out["kernels"]), "max_tokens": max_tokens,
+                                "attention_only_equal_prefix": equal_prefix(out["attention"]),
+                                "kernels_s": out["kernels_s"], "torch_s": out["torch_s"],
+                                "first_tokens_kernels": [t[:6] for t in out["kernels"]]}
+        print("smoke", kv, json.dumps(results["smoke"][kv]), flush=True)
+        del llm, cache
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--contexts", default="1024,8192,32768,65536")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--tune", action="store_true", help="also time decode variants (block_n, warps, ...)")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: checks,decode,store,prefill,smoke")
+    args = ap.parse_args()
+    skip = set(args.skip.split(",")) - {""}
+    t0 = time.time()
+    props = torch.cuda.get_device_properties(DEV)
+    results = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+               "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")}
+    results["copy_bw_GBps"] = copy_bandwidth() / 1e9
+    print(json.dumps(results), flush=True)
+    sections = {
+        "checks": lambda: checks(results),
+        "decode": lambda: decode_section(results, results["copy_bw_GBps"] * 1e9,
+                                         [int(c) for c in args.contexts.split(",")],
+                                         [int(b) for b in args.batches.split(",")], args.tune),
+        "store": lambda: store_section(results),
+        "prefill": lambda: prefill_section(results),
+        "smoke": lambda: smoke_section(results),
+    }
+    for name, run in sections.items():
+        if name in skip:
+            continue
+        t = time.time()
+        try:
+            run()
+        except Exception:  # report and go on: one broken section should not cost the others
+            import traceback
+
+            traceback.print_exc()
+            results.setdefault("errors", []).append(name)
+        print(f"section {name}: {time.time() - t:.0f} s", flush=True)
+        if args.json:  # after every section, so a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    results["wall_s"] = time.time() - t0
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print_tables(results)
+
+
+def print_tables(results: dict) -> None:
+    print(f"\n{results['device']}  copy {results['copy_bw_GBps']:.0f} GB/s  torch {results['torch']}  "
+          f"triton {results['triton']}  {results['wall_s']:.0f} s")
+    if "decode" in results:
+        print("model ctx batch | sdpa_ms (backend) bf16_paged_ms fp4_ms | fp4 x sdpa | bf16paged/sdpa | "
+              "fp4 %copy sdpa %copy")
+        for r in results["decode"]:
+            print(f"{r['model']} {r['ctx']} {r['batch']} | {r['sdpa_ms']:.4f} ({r['sdpa_backend'][:5]}) "
+                  f"{r['bf16_paged_ms']:.4f} {r['fp4_ms']:.4f} | {r['fp4_speedup_vs_sdpa']:.2f} | "
+                  f"{r['bf16_paged_vs_sdpa']:.2f} | {r['fp4_eff_bw_pct_copy']:.0f} {r['sdpa_eff_bw_pct_copy']:.0f}")
+
+
+if __name__ == "__main__":
+    main()
