@@ -52,7 +52,16 @@ def deploy(replicas: int, kv_router: bool, engine_overrides: dict) -> None:
                 d.pop("request_router_config", None)
     app["args"]["engine"].update(engine_overrides)
     app["args"].setdefault("router", {})["enabled"] = kv_router
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}), _blocking=True)
+    from ray import serve
+
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}), _blocking=False)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        status = serve.status().applications.get(APP)
+        if status is not None and status.status == "RUNNING":
+            return
+        time.sleep(1)
+    raise TimeoutError(f"application {APP} not running after 600 s: {serve.status()}")
 
 
 def replica_requests() -> dict[str, int]:

@@ -30,14 +30,14 @@ def deploy_config(num_replicas: int = 3) -> None:
             d["num_replicas"] = num_replicas
     app["args"]["engine"]["kv_cache_memory"] = "256MiB"
     schema = ServeDeploySchema.model_validate({"applications": [app]})
-    _get_global_client().deploy_apps(schema, _blocking=True)
+    _get_global_client().deploy_apps(schema, _blocking=False)  # the fixture waits (Serve's own wait is 60 s)
 
 
 @pytest.fixture(scope="module")
 def url():
     with local_serve(num_cpus=4) as base:
         deploy_config(3)
-        assert wait_until(lambda: _num_running_replicas() == 3, timeout_s=120)
+        assert wait_until(lambda: _num_running_replicas() == 3, timeout_s=600), serve.status()
         yield base
 
 
