@@ -24,6 +24,7 @@ from app.engine.async_engine import AsyncLLMEngine
 from app.engine.engine import RequestOutput
 from app.engine.kv_events import KVEvent
 from app.engine.sampling_params import SamplingParams
+from app.router.events import encode_batch
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +159,6 @@ class LLMServer:
             self._next_batch_seq += 1
             self._batches.append(batch)
             if self._index is not None:
-                from app.router.events import encode_batch
-
                 self._index.publish.remote(self.replica_id, batch.seq, encode_batch(batch.ts, batch.events))
 
     async def kv_event_batches(self, after_seq: int = 0) -> list[KVEventBatch]:

@@ -22,6 +22,7 @@ from collections import defaultdict
 import ray
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from app.deployments.llm_server import GenerateRequest
 from app.router.events import decode_batch
 from app.router.index import PrefixIndex
 from app.router.policy import RoutingPolicy, choose
@@ -197,8 +198,6 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
 
 def _generate_request(pending_request: PendingRequest | None):
     """The GenerateRequest of a `generate` call, else None."""
-    from app.deployments.llm_server import GenerateRequest
-
     if pending_request is None:
         return None
     for arg in (*pending_request.args, *pending_request.kwargs.values()):
