@@ -73,6 +73,26 @@ def test_error_within_half_grid_step_of_the_group_scale():
     assert rel.mean() < 0.11
 
 
+def test_group_scales_are_never_e4m3_subnormals():
+    """A group under 2^-6 / 448 of the vector's largest gets the scale 2^-6 (E4M3's smallest normal),
+    so kernels decode scales with one integer multiply-add; its values still round within one scale
+    unit, and zero groups stay exactly zero."""
+    torch.manual_seed(3)
+    x = torch.randn(64, 128)
+    x[:, 32:64] *= torch.logspace(-12, 0, 64)[:, None]
+    x[::8, 96:] = 0.0
+    fmt = FP4Format(group_size=32, outliers=2, scale_targets=(6.0, 5.0, 4.5, 4.0))
+    q = fp4_quantize(x, fmt)
+    bits = q.scales.view(torch.uint8).int()
+    assert ((bits >> 3) & 0xF).min() >= 1  # exponent field: never subnormal (or zero)
+    x_hat = fp4_dequantize(q, fmt)
+    ds = q.scales.float() * torch.exp2(q.scale_exp.float() - 127)[:, None]
+    err = (x - x_hat).abs().view(64, 4, 32).amax(-1)
+    assert (err[:, 1] <= ds[:, 1] * (1 + 1e-6)).all()
+    assert (x_hat[::8, 96:] == 0).all()
+    assert ((x - x_hat).norm(dim=-1) / x.norm(dim=-1)).max() < 0.15
+
+
 @pytest.mark.parametrize("fmt", [FP4Format(), FP4Format(group_size=32, outliers=2, scale_targets=(6.0, 5.0, 4.5, 4.0))])
 def test_second_level_scale_keeps_any_magnitude(fmt):
     torch.manual_seed(1)

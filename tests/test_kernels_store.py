@@ -25,6 +25,8 @@ def _case(num_tokens, num_kv_heads, head_dim, num_blocks, block_size, dtype, see
     magnitude = 10 ** torch.empty(num_tokens, 1, 1).uniform_(-3, 3, generator=gen)  # 1e-3 .. 1e3
     key = keys_like_llama(num_tokens, num_kv_heads, head_dim, gen=gen) * magnitude
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    value[::5, :, :32] *= 1e-7  # groups far below the vector's largest: their scales are raised to 2^-6
+    key[::7, :, -32:] *= 1e-7
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[num_tokens // 2] = -1  # a padding token: written nowhere
     return key.to(dtype), value.to(dtype), slots

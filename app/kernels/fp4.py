@@ -4,7 +4,10 @@ One vector x of head_dim values (one token, one KV head) is stored as
   codes      [head_dim / 2] uint8     E2M1 codes (sign bit 3, magnitude 0, .5, 1, 1.5, 2, 3, 4, 6),
                                       two per byte: element 2i in the low nibble, 2i+1 in the high
   scales     [head_dim / G] e4m3      one per group of G = gcd(group_size, head_dim) values (NVFP4
-                                      uses 16; head_dim 80 with group_size 32 gets groups of 16)
+                                      uses 16; head_dim 80 with group_size 32 gets groups of 16);
+                                      never an E4M3 subnormal: a scale below 2^-6 is raised to 2^-6
+                                      (such a group is under 1/28000 of the vector's largest one), so
+                                      decoders turn a scale into bf16 with one integer multiply-add
   scale_exp  []             uint8     second-level scale 2^(scale_exp - 127) (E8M0, as MX formats),
                                       a power of two that keeps every group scale <= 448: E4M3's
                                       range never clips, whatever the vector's magnitude
@@ -31,6 +34,7 @@ import torch
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+E4M3_MIN_NORMAL = 2.0 ** -6
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _TIES_UP = (0.75, 1.75, 3.5)  # midpoints whose even neighbour is the upper one
 ROTATION_SEED = 0x5EED  # fixed: a cache written by one process is read by another
@@ -180,7 +184,7 @@ def fp4_quantize(x: torch.Tensor, fmt: FP4Format, rotation: torch.Tensor | None 
     best = None
     for target in fmt.scale_targets:
         # Map the group's amax to `target` on the E2M1 grid; keep, per group, the lowest error.
-        scales = (amax_n / target).to(torch.float8_e4m3fn)
+        scales = (amax_n / target).clamp(min=E4M3_MIN_NORMAL).to(torch.float8_e4m3fn)
         decoded = scales.float()
         safe = torch.where(decoded > 0, decoded, torch.ones_like(decoded))[..., None]
         codes = e2m1_encode(groups_n / safe)

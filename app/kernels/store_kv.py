@@ -59,7 +59,7 @@ def _ceil_log2(y):
 @triton.jit
 def _try_scale(xn, amax_n, target: tl.constexpr, best_err, best_sc, best_code):
     """Scale each group's amax to `target`; keep, per group, the candidate with the lowest squared error."""
-    sc = _e4m3_encode(tl.math.div_rn(amax_n, target))
+    sc = _e4m3_encode(tl.maximum(tl.math.div_rn(amax_n, target), 0.015625))  # never subnormal (fp4.py)
     dec = paged.e4m3_to_f32(sc)
     safe = tl.where(dec > 0, dec, 1.0)[:, :, None]
     code = _e2m1_encode(tl.math.div_rn(xn, safe))
