@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.config import FP4Config  # noqa: E402
 from app.kernels import fp4, paged  # noqa: E402
-from app.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from app.kernels.decode_attention import decode_attention, decode_attention_ref, num_splits_for  # noqa: E402
 from app.kernels.prefill_attention import prefill_attention, prefill_attention_ref  # noqa: E402
 from app.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 
@@ -157,7 +157,8 @@ def checks(results: dict) -> None:
             ref = decode_attention_ref(q, kp, vp, table, sl, HEAD_DIM ** -0.5, fmts)
             variants = {"auto": {}, "one_split": {"num_splits": 1}, "precise": {"precise_pv": True}}
             if kind == "fp4":
-                variants.update({"plain_triton": {"asm": False}})
+                variants.update({"plain_triton": {"asm": False}, "generic_kernel": {"fp4_kernel": False},
+                                 "regs_uncapped": {"maxnreg": 0}})
             for vname, kw in variants.items():
                 o = torch.full_like(q, float("nan"))
                 decode_attention(q, kp, vp, table, sl, HEAD_DIM ** -0.5, max(lens), fmts, out=o, **kw)
@@ -227,13 +228,18 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool)
                 # fp4
                 kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
                 row["fp4_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
+                # the generic kernel on the same pages (the fp4 path before _decode_fp4_kernel)
+                row["fp4_generic_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
+                                                                       fp4_kernel=False))
                 if model == "8B" and ctx == 1024 and batch == 1:
                     results["launch_overhead_us"] = {
                         "decode_fp4_host_us_per_call": host_us(
                             lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS)),
                         "decode_fp4_graph_us": 1e3 * row["fp4_ms"]}
                 if tune and ctx in (8192, 32768) and batch in (1, 32):
-                    for name, kw in TUNE_VARIANTS.items():
+                    variants = dict(TUNE_VARIANTS, splits_2_per_sm={
+                        "num_splits": num_splits_for(batch, hk, ctx, DEV, 128, programs_per_sm=2)})
+                    for name, kw in variants.items():
                         row[f"fp4_{name}_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
                                                                                FORMATS, **kw))
                     # what the 4 key outlier slots cost: keys in the values' format (no slots)
@@ -244,6 +250,7 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool)
                 del kp, vp
                 torch.cuda.empty_cache()
                 row["fp4_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp4_ms"]
+                row["fp4_speedup_vs_generic"] = row["fp4_generic_ms"] / row["fp4_ms"]
                 row["bf16_paged_vs_sdpa"] = row["bf16_paged_ms"] / row["sdpa_ms"]
                 row["fp4_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP4_BYTES / (row["fp4_ms"] * 1e-3) / copy_bw
                 row["sdpa_eff_bw_pct_copy"] = 100 * kv_bytes / (row["sdpa_ms"] * 1e-3) / copy_bw
@@ -253,9 +260,11 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool)
     results["decode"] = rows
 
 
-TUNE_VARIANTS = {  # the default: block_n 128, 4 warps, num_stages 2, PTX unpack
+TUNE_VARIANTS = {  # the fp4 default: block_n 128, 4 warps, 128 registers, stages 1 or 2, PTX unpack
+    "regs_uncapped": {"maxnreg": 0},
+    "stages1": {"num_stages": 1},
+    "stages2": {"num_stages": 2},
     "bn64": {"block_n": 64},
-    "bn128_w8": {"block_n": 128, "num_warps": 8},
     "precise": {"precise_pv": True},
     "plain": {"asm": False},
 }
@@ -415,11 +424,12 @@ def print_tables(results: dict) -> None:
     print(f"\n{results['device']}  copy {results['copy_bw_GBps']:.0f} GB/s  torch {results['torch']}  "
           f"triton {results['triton']}  {results['wall_s']:.0f} s")
     if "decode" in results:
-        print("model ctx batch | sdpa_ms (backend) bf16_paged_ms fp4_ms | fp4 x sdpa | bf16paged/sdpa | "
-              "fp4 %copy sdpa %copy")
+        print("model ctx batch | sdpa_ms (backend) bf16_paged_ms fp4_ms fp4_generic_ms | fp4 x sdpa | "
+              "fp4 x generic | bf16paged/sdpa | fp4 %copy sdpa %copy")
         for r in results["decode"]:
             print(f"{r['model']} {r['ctx']} {r['batch']} | {r['sdpa_ms']:.4f} ({r['sdpa_backend'][:5]}) "
-                  f"{r['bf16_paged_ms']:.4f} {r['fp4_ms']:.4f} | {r['fp4_speedup_vs_sdpa']:.2f} | "
+                  f"{r['bf16_paged_ms']:.4f} {r['fp4_ms']:.4f} {r['fp4_generic_ms']:.4f} | "
+                  f"{r['fp4_speedup_vs_sdpa']:.2f} | {r['fp4_speedup_vs_generic']:.2f} | "
                   f"{r['bf16_paged_vs_sdpa']:.2f} | {r['fp4_eff_bw_pct_copy']:.0f} {r['sdpa_eff_bw_pct_copy']:.0f}")
 
 

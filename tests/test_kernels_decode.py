@@ -9,7 +9,7 @@ bf16 outputs, so its relative error against the float32 reference is about one b
 import pytest
 import torch
 
-from app.kernels.decode_attention import decode_attention, decode_attention_ref
+from app.kernels.decode_attention import _fewest_splits_filling_waves, decode_attention, decode_attention_ref
 from kernels_testing import block_tables, random_pages, rel_err
 
 ODD_LENGTHS = [1, 15, 16, 17, 1025, 1027]
@@ -84,3 +84,26 @@ def test_decode_checks_its_inputs():
 def test_decode_full_grid(name, group, head_dim, block_size, num_splits):
     out, ref = _run(name, ODD_LENGTHS, 2, group, head_dim, block_size, num_splits=num_splits)
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("pairs,seq_len,most,splits", [
+    (256, 32768, 128, 2),  # Llama-3.1-8B, batch 32: one full wave; 3 splits would start a mostly idle second
+    (32, 32768, 128, 16),  # 70B at TP 8, batch 32
+    (8, 32768, 128, 64),  # batch 1: 512 programs of 512 tokens
+    (8, 8192, 32, 32),  # not 31: 8192 / 31 rounds up to 384-token splits, 3 tiles instead of 2
+    (1024, 32768, 128, 1),  # enough (sequence, KV head) pairs: no split
+    (8, 32768, 4, 4),  # `most` caps it
+    (1, 100, 1, 1),
+])
+def test_fp4_splits_fill_whole_waves(pairs, seq_len, most, splits):
+    """528 program slots (132 SMs x 4), 128-token tiles."""
+    assert _fewest_splits_filling_waves(pairs, seq_len, 128, most, 528) == splits
+
+
+def test_fp4_kernel_agrees_with_the_generic_kernel():
+    """The engine's fp4 cache runs _decode_fp4_kernel; the generic kernel reads the same pages
+    another way (nibbles interleaved, PV untransposed, outliers over padded rows)."""
+    seq_lens = [1, 17, 300]
+    fp4, ref = _run("fp4", seq_lens, 2, 4, 64, 16, num_splits=3)
+    generic, _ = _run("fp4", seq_lens, 2, 4, 64, 16, num_splits=3, fp4_kernel=False)
+    assert rel_err(fp4, generic) < 4e-3 and rel_err(fp4, ref) < 1e-2

@@ -10,9 +10,13 @@ split it writes the output; with several, each split writes its normalized parti
 log-sum-exp, and `_merge_kernel` combines them. Splitting the KV range is what keeps 132 SMs busy
 at batch 1 and long context.
 
-Speed (bench/RESULTS.md): bf16 pages run within 3-13% of torch SDPA on contiguous K/V for the
-Llama-3.1-8B shape; fp4 pages are 1.3-3x slower than SDPA, not 3x faster: the unpack is instruction-
-and latency-bound in this Triton form (the note there has the counts).
+fp4 K and V pages run _decode_fp4_kernel, the same algorithm arranged around the fp4 unpack (its
+docstring says how); every other combination runs _decode_kernel.
+
+Speed (bench/RESULTS.md, H200): bf16 pages run within 3-12% of torch SDPA on contiguous K/V for the
+Llama-3.1-8B shape at batch >= 8; fp4 pages at 0.83-1.00x SDPA's speed from 8k context and batch 8,
+1.5-2.7x the generic kernel's on the same pages, bound by instruction issue rather than bytes
+(bench/kernel_sass.py counts the loop's instructions without a GPU).
 """
 
 from __future__ import annotations
@@ -87,6 +91,123 @@ def _decode_kernel(
 
 
 @triton.jit
+def _decode_fp4_kernel(
+    q_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    k0, k1, k2, k3, k4, v0, v1, v2, v3, v4,
+    block_tables_ptr, seq_lens_ptr,
+    sm_scale_log2, stride_q_seq, stride_q_head, stride_bt, split_size, num_splits,
+    H: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    K_G: tl.constexpr, K_KO: tl.constexpr, V_G: tl.constexpr, V_KO: tl.constexpr,
+    DT: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISE: tl.constexpr, ASM: tl.constexpr,
+):
+    """_decode_kernel for fp4 K and V pages, shaped for the fp4 unpack (bench/RESULTS.md has the
+    counts): each head vector is used as its even and odd halves (the query is loaded split the same
+    way and the output written back interleaved), so the unpacked nibbles never need interleaving;
+    the PV product runs transposed, O^T [D/2, GP] = V^T P^T, which puts the freshly unpacked V tile
+    in the tensor cores' register operand; key outliers add q[idx] * val to the scores, gathered
+    once per real query head rather than per padded row."""
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = sp * split_size
+    end = tl.minimum(seq_len, start + split_size)
+    DH: tl.constexpr = D // 2
+    g = tl.arange(0, GP)
+    i = tl.arange(0, DH)
+    g_mask = g < GROUP
+    q_rows = b.to(tl.int64) * stride_q_seq + (h * GROUP + g) * stride_q_head  # [GP]
+    q_even = tl.load(q_ptr + q_rows[:, None] + 2 * i[None, :], mask=g_mask[:, None], other=0.0).to(DT)
+    q_odd = tl.load(q_ptr + q_rows[:, None] + 2 * i[None, :] + 1, mask=g_mask[:, None], other=0.0).to(DT)
+    q_head0 = q_ptr + b.to(tl.int64) * stride_q_seq + (h * GROUP) * stride_q_head
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc_even = tl.zeros([DH, GP], tl.float32)  # transposed: O^T
+    acc_odd = tl.zeros([DH, GP], tl.float32)
+    t = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + t
+        n_mask = n < end
+        rows = paged.page_rows(bt_row, n, n_mask, BS, H, h)
+        kc, ks, ke = paged.load_fp4_groups(k0, k1, k2, rows, n_mask, D, K_G)
+        k_even, k_odd = paged.fp4_unpack_groups(kc, ks, ASM)
+        s = paged.mma(q_even, tl.trans(k_even.to(DT)), None)
+        s = paged.mma(q_odd, tl.trans(k_odd.to(DT)), s) * paged.pow2_scale(ke)[None, :]  # [GP, BLOCK_N]
+        if K_KO > 0:
+            s = _fp4_key_outliers(s, q_head0, stride_q_head, k3, k4, rows, n_mask, g, GROUP, K_KO)
+        s = tl.where(n_mask[None, :], s * sm_scale_log2, float("-inf"))  # base-2 logits
+        vc, vs, ve = paged.load_fp4_groups(v0, v1, v2, rows, n_mask, D, V_G)
+        v_even, v_odd = paged.fp4_unpack_groups(vc, vs, ASM)
+        fv = paged.pow2_scale(ve)
+        if V_KO > 0:
+            v_even, v_odd = _fp4_value_outliers(v_even, v_odd, v3, v4, rows, n_mask, ve, V_KO)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        p = p * fv[None, :]
+        p_hi = p.to(DT)
+        pt = tl.trans(p_hi)  # [BLOCK_N, GP]
+        acc_even = paged.mma(tl.trans(v_even.to(DT)), pt, acc_even * alpha[None, :])
+        acc_odd = paged.mma(tl.trans(v_odd.to(DT)), pt, acc_odd * alpha[None, :])
+        if PRECISE:
+            pt_lo = tl.trans((p - p_hi.to(tl.float32)).to(DT))
+            acc_even = paged.mma(tl.trans(v_even.to(DT)), pt_lo, acc_even)
+            acc_odd = paged.mma(tl.trans(v_odd.to(DT)), pt_lo, acc_odd)
+        m = m_new
+    heads = h * GROUP + g
+    empty = l == 0.0  # an empty split (past this sequence's end) writes lse -inf and zeros
+    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l))
+    if not SPLIT:
+        o_ptr = out_ptr + (b * (H * GROUP) + heads)[None, :].to(tl.int64) * D + 2 * i[:, None]  # [DH, GP]
+        dtype = out_ptr.dtype.element_ty
+        tl.store(o_ptr, paged.cast_out(acc_even * inv[None, :], dtype), mask=g_mask[None, :])
+        tl.store(o_ptr + 1, paged.cast_out(acc_odd * inv[None, :], dtype), mask=g_mask[None, :])
+    else:
+        lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
+        part = (b * (H * GROUP) + heads).to(tl.int64) * num_splits + sp  # [GP]
+        o_ptr = part_o_ptr + part[None, :] * D + 2 * i[:, None]
+        tl.store(o_ptr, acc_even * inv[None, :], mask=g_mask[None, :])
+        tl.store(o_ptr + 1, acc_odd * inv[None, :], mask=g_mask[None, :])
+        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+
+
+@triton.jit
+def _fp4_key_outliers(s, q_head0, stride_q_head, p_val, p_idx, rows, mask, g, GROUP: tl.constexpr, KO: tl.constexpr):
+    """s [GP, N] + sum over slots of out_val[n] * q[g, out_idx[n]], exact in float32, for the GROUP
+    real query rows: the slots are loaded once as [N, KOP] and each query head's elements gathered
+    from it (L1 hits: the program's queries are a few KB)."""
+    KOP: tl.constexpr = triton.next_power_of_2(KO)
+    k = tl.arange(0, KOP)
+    slot_mask = mask[:, None] & (k < KO)[None, :]
+    idx = tl.load(p_idx + rows[:, None] * KO + k[None, :], mask=slot_mask, other=0).to(tl.int32)
+    val = tl.load(p_val + rows[:, None] * KO + k[None, :], mask=slot_mask, other=0.0).to(tl.float32)
+    for r in tl.static_range(GROUP):
+        qv = tl.load(q_head0 + r * stride_q_head + idx).to(tl.float32)  # [N, KOP]
+        s = tl.where(g[:, None] == r, s + tl.sum(qv * val, 1)[None, :], s)
+    return s
+
+
+@triton.jit
+def _fp4_value_outliers(w_even, w_odd, p_val, p_idx, rows, mask, e, KO: tl.constexpr):
+    """Add the fp4 value outlier slots into the unpacked halves (in their units: value / pow2_scale)."""
+    N: tl.constexpr = w_even.shape[0]
+    DH: tl.constexpr = w_even.shape[1]
+    i = tl.arange(0, DH)
+    inv_f = (tl.maximum(246 - e, 1) << 23).to(tl.float32, bitcast=True)  # 1 / pow2_scale(e)
+    add_even = tl.zeros([N, DH], tl.float32)
+    add_odd = tl.zeros([N, DH], tl.float32)
+    for slot in tl.static_range(KO):
+        idx = tl.load(p_idx + rows * KO + slot, mask=mask, other=0).to(tl.int32)
+        val = tl.load(p_val + rows * KO + slot, mask=mask, other=0.0).to(tl.float32) * inv_f
+        hit = i[None, :] == (idx >> 1)[:, None]
+        add_even += tl.where(hit & ((idx & 1) == 0)[:, None], val[:, None], 0.0)
+        add_odd += tl.where(hit & ((idx & 1) == 1)[:, None], val[:, None], 0.0)
+    return w_even.to(tl.float32) + add_even, w_odd.to(tl.float32) + add_odd
+
+
+@triton.jit
 def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits, D: tl.constexpr, CHUNK: tl.constexpr):
     """out[row] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), one program per (sequence, q head)."""
     row = tl.program_id(0).to(tl.int64)
@@ -115,13 +236,29 @@ def _num_sms(device: torch.device) -> int:
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                   block_n: int) -> int:
-    """Enough (KV head, sequence, split) programs for about two waves over the SMs, but no split
-    shorter than MIN_SPLIT_TOKENS and at most 256 splits."""
+                   block_n: int, programs_per_sm: int = 2, whole_waves: bool = False) -> int:
+    """How many splits of the KV range: no split shorter than MIN_SPLIT_TOKENS, at most 256.
+    Default: about programs_per_sm x SMs (KV head, sequence, split) programs in all. whole_waves
+    (the fp4 kernel, programs_per_sm of which run at once on an SM): the fewest splits within 3% of
+    the least waves x tokens per split, so that the grid fills whole waves of the SMs' program slots
+    (a grid of 1.45 waves lost 16% at Llama-3.1-8B batch 32 in bench/RESULTS.md)."""
     sms = _num_sms(device)
-    want = triton.cdiv(2 * sms, num_seqs * num_kv_heads)
-    most = max(1, max_seq_len // max(MIN_SPLIT_TOKENS, block_n))
-    return max(1, min(want, most, 256))
+    most = max(1, min(256, max_seq_len // max(MIN_SPLIT_TOKENS, block_n)))
+    if whole_waves:
+        return _fewest_splits_filling_waves(num_seqs * num_kv_heads, max(max_seq_len, 1), block_n, most,
+                                            programs_per_sm * sms)
+    want = triton.cdiv(programs_per_sm * sms, num_seqs * num_kv_heads)
+    return max(1, min(want, most))
+
+
+@functools.lru_cache(maxsize=4096)
+def _fewest_splits_filling_waves(pairs: int, seq_len: int, block_n: int, most: int, slots: int) -> int:
+    costs = []
+    for s in range(1, most + 1):
+        split = triton.cdiv(triton.cdiv(seq_len, s), block_n) * block_n  # as the launcher rounds it
+        costs.append(triton.cdiv(pairs * triton.cdiv(seq_len, split), slots) * split)  # waves x tokens
+    least = min(costs)
+    return next(s for s, c in enumerate(costs, 1) if c <= 1.03 * least)  # splits cost merges: the fewest
 
 
 def decode_attention(
@@ -135,16 +272,23 @@ def decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     precise_pv: bool = False,
     asm: bool | None = None,
     out: torch.Tensor | None = None,
+    maxnreg: int | None = None,
+    fp4_kernel: bool | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] query dtype
-    """Launcher. block_n: tokens per tile (None: 128 for fp4 pages, 64 otherwise, the fastest in
-    bench/RESULTS.md); precise_pv: the PV product from p split into two bf16 terms (float32-accurate;
-    costs 3% on fp4 pages and 30% on bf16 pages there); asm: the inline-PTX fp4 unpack (None: on
-    CUDA), else plain Triton (the benchmark compares both)."""
+    """Launcher. fp4 K and V pages (the engine's fp4 cache) run _decode_fp4_kernel, every other
+    combination _decode_kernel. block_n: tokens per tile (None: 128 for fp4 pages, 64 otherwise, the
+    fastest in bench/RESULTS.md); num_stages: software-pipeline depth (None: 2, and for fp4 pages 1
+    once batch x KV heads >= 8); precise_pv: the PV product from p split into two bf16 terms
+    (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton (the
+    benchmark compares both); maxnreg: the fp4 kernel's register cap on CUDA (None: 128, 0: none);
+    fp4_kernel: False runs fp4 pages through _decode_kernel (the benchmark's baseline)."""
     num_seqs, num_heads, head_dim = query.shape
+    both_fp4 = paged.page_kind(k_pages) == paged.page_kind(v_pages) == paged.FP4 and fp4_kernel is not False
+    capped = both_fp4 and maxnreg != 0 and not paged.interpreting()
     if block_n is None:
         block_n = 128 if paged.FP4 in (paged.page_kind(k_pages), paged.page_kind(v_pages)) else 64
     _, bs, num_kv_heads, d_k = paged.check_pages(k_pages, formats[0], "k_pages")
@@ -161,7 +305,8 @@ def decode_attention(
     assert paged.is_pow2(block_n) and block_n >= 16, f"block_n must be a power of two >= 16 (got {block_n})"
     group = num_heads // num_kv_heads
     if num_splits is None:
-        num_splits = num_splits_for(num_seqs, num_kv_heads, max_seq_len, query.device, block_n)
+        num_splits = num_splits_for(num_seqs, num_kv_heads, max_seq_len, query.device, block_n,
+                                    4 if capped else 2, whole_waves=both_fp4)
     split_size = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max_seq_len, split_size))
     if out is None:
@@ -171,17 +316,28 @@ def decode_attention(
     if num_splits > 1:
         part_o = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
-    _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
-        query, out, part_o, part_lse,
-        *paged.page_args(k_pages), *paged.page_args(v_pages),
-        block_tables, seq_lens,
-        scale * LOG2E, query.stride(0), query.stride(1), block_tables.stride(0), split_size, num_splits,
+    common = dict(
         H=num_kv_heads, GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=head_dim, BS=bs,
-        **paged.page_constexprs(k_pages, formats[0], "K"), **paged.page_constexprs(v_pages, formats[1], "V"),
         DT=paged.operand_dtype(k_pages, v_pages), BLOCK_N=block_n, SPLIT=num_splits > 1, PRECISE=precise_pv,
-        ASM=paged.use_asm(query.device) if asm is None else asm,
-        num_warps=num_warps, num_stages=num_stages,
+        ASM=paged.use_asm(query.device) if asm is None else asm, num_warps=num_warps,
     )
+    args = (query, out, part_o, part_lse, *paged.page_args(k_pages), *paged.page_args(v_pages),
+            block_tables, seq_lens, scale * LOG2E, query.stride(0), query.stride(1), block_tables.stride(0),
+            split_size, num_splits)
+    if both_fp4:
+        # 128 registers: four programs (16 warps) per SM instead of two; a few spill slots are the
+        # cheaper side of that trade. One pipeline stage, except for fewer than 8 (sequence, KV head)
+        # pairs (70B at TP 8, batch 1), where two were faster (bench/RESULTS.md).
+        if num_stages is None:
+            num_stages = 1 if num_seqs * num_kv_heads >= 8 else 2
+        tuning = {"maxnreg": maxnreg or 128} if capped else {}
+        _decode_fp4_kernel[(num_kv_heads, num_seqs, num_splits)](
+            *args, K_G=formats[0].group(head_dim), K_KO=formats[0].outliers, V_G=formats[1].group(head_dim),
+            V_KO=formats[1].outliers, num_stages=num_stages, **tuning, **common)
+    else:
+        _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
+            *args, **paged.page_constexprs(k_pages, formats[0], "K"), **paged.page_constexprs(v_pages, formats[1], "V"),
+            num_stages=2 if num_stages is None else num_stages, **common)
     if num_splits > 1:
         _merge_kernel[(num_seqs * num_heads,)](part_o, part_lse, out, num_splits, D=head_dim, CHUNK=16, num_warps=4)
     return out

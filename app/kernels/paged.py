@@ -223,6 +223,77 @@ def _fp4_unpack(c, sc, ASM: tl.constexpr):
     return lo, hi
 
 
+# The same unpack with the group scales as raw E4M3 bits, one int32 per element ($5..$8, pack=4).
+# fp4.py never writes a subnormal scale, so bf16(scale x 2^118) = bits x 16 + 0x7700: the shift puts
+# E4M3's exponent E and 3 mantissa bits into bf16's fields and 0x7700 = 238 << 7 adds 238 to the
+# exponent, 2^(E + 238 - 127) = 2^(E - 7) x 2^118. A prmt pairs the low halves of two elements'
+# words, so the scales need no conversion or packing outside the asm: in the tensor-core operand
+# layout, where Triton runs the unpack, the float conversion cost a dozen instructions per scale.
+_FP4_UNPACK_SCALEBITS_PTX = tl.constexpr("""
+{
+  .reg .b32 z, y, t, u, s01, s23;
+  mov.b32 z, 0;
+  prmt.b32 s01, $5, $6, 0x5410; mad.lo.u32 s01, s01, 16, 0x77007700;
+  prmt.b32 s23, $7, $8, 0x5410; mad.lo.u32 s23, s23, 16, 0x77007700;
+  prmt.b32 y, $4, z, 0x1404;
+  shr.b32 t, y, 2; shl.b32 u, y, 4; lop3.b32 t, t, u, 0x81C081C0, 0xA8;
+  mul.rn.bf16x2 $0, t, s01;
+  shr.b32 t, y, 6; and.b32 u, y, 0x80008000; lop3.b32 t, t, u, 0x81C081C0, 0xEC;
+  mul.rn.bf16x2 $2, t, s01;
+  prmt.b32 y, $4, z, 0x3424;
+  shr.b32 t, y, 2; shl.b32 u, y, 4; lop3.b32 t, t, u, 0x81C081C0, 0xA8;
+  mul.rn.bf16x2 $1, t, s23;
+  shr.b32 t, y, 6; and.b32 u, y, 0x80008000; lop3.b32 t, t, u, 0x81C081C0, 0xEC;
+  mul.rn.bf16x2 $3, t, s23;
+}
+""")
+
+
+@triton.jit
+def load_fp4_groups(p0, p1, p2, rows, mask, D: tl.constexpr, G: tl.constexpr):
+    """One fp4 head's codes [N, D/G, G/2] uint8, group scale bits [N, D/G] uint8 and second-level
+    exponents [N] int32 for the N tokens at `rows` (the scales and outliers of paged.py's layout)."""
+    NG: tl.constexpr = D // G
+    GH: tl.constexpr = G // 2
+    j = tl.arange(0, NG)
+    c = tl.arange(0, GH)
+    codes = tl.load(p0 + rows[:, None, None] * (D // 2) + (j * GH)[None, :, None] + c[None, None, :],
+                    mask=mask[:, None, None], other=0)
+    sbits = tl.load(p1 + rows[:, None] * NG + j[None, :], mask=mask[:, None], other=0)
+    e = tl.load(p2 + rows, mask=mask, other=0).to(tl.int32)
+    return codes, sbits, e
+
+
+@triton.jit
+def fp4_unpack_groups(codes, sbits, ASM: tl.constexpr):
+    """codes [N, NG, GH], scale bits [N, NG] (normal E4M3) -> (even, odd) [N, NG*GH]: elements 2i and
+    2i+1 of each vector, value x group scale x 2^-8 (exact in bf16; float32 on the plain path).
+    Multiply by pow2_scale(e) to get the stored value. Keeping the even and odd halves apart (the
+    query and the output are split alike) saves interleaving them."""
+    N: tl.constexpr = codes.shape[0]
+    NG: tl.constexpr = codes.shape[1]
+    GH: tl.constexpr = codes.shape[2]
+    if ASM:
+        sw = tl.broadcast_to(sbits.to(tl.int32)[:, :, None], (N, NG, GH))
+        lo, hi = tl.inline_asm_elementwise(
+            _FP4_UNPACK_SCALEBITS_PTX, "=r,=r,=r,=r,r,r,r,r,r", [codes, sw],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        sc = e4m3_to_f32(sbits) * 0.00390625  # group scale x 2^-8
+        sc = tl.broadcast_to(sc[:, :, None], (N, NG, GH))
+        ci = codes.to(tl.int32)
+        lo = e2m1_to_f32(ci & 15) * sc
+        hi = e2m1_to_f32(ci >> 4) * sc
+    return tl.reshape(lo, (N, NG * GH)), tl.reshape(hi, (N, NG * GH))
+
+
+@triton.jit
+def pow2_scale(e):
+    """Second-level exponent bits [N] int32 -> 2^(scale_exp - 127 + 8) float32 (the factor the
+    unpacked tiles leave out)."""
+    return ((tl.minimum(e, 246) + 8) << 23).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def load_raw(p0, p1, p2, p3, p4, rows, mask, KIND: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
              KO: tl.constexpr):
@@ -277,7 +348,7 @@ def unpack_raw(a, b, c, idx, val, KIND: tl.constexpr, D: tl.constexpr, G: tl.con
         lo, hi = _fp4_unpack(a, sc, ASM)
         w = tl.reshape(tl.interleave(lo, hi), (N, D))
         e = c.to(tl.int32)
-        f = ((tl.minimum(e, 246) + 8) << 23).to(tl.float32, bitcast=True)  # 2^(scale_exp - 127 + 8)
+        f = pow2_scale(e)
         if OUTLIERS_IN_TILE and KO > 0:
             KOP: tl.constexpr = triton.next_power_of_2(KO)
             k = tl.arange(0, KOP)

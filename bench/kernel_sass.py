@@ -1,0 +1,113 @@
+"""Compile the decode kernels for sm_90 on any machine (no GPU) and count their instructions.
+
+    python bench/kernel_sass.py [--triton-path DIR]
+
+Triton compiles for a target it is given, and its wheel carries ptxas and cuobjdump, so the
+machine code of a kernel can be read without a GPU. For each decode kernel and shape this prints
+registers and stack (spill) bytes per thread and the instructions of the main loop (the largest
+backward branch), per thread and per (token, KV head): loop instructions x warps / tokens per tile,
+the figure to hold against the ~36 warp instructions per (token, KV head) that streaming fp4's 150
+bytes at the copy rate leaves (4 issue slots per cycle per SM, bench/RESULTS.md). Compile with the
+Triton the GPU machine runs (3.6 there: pip install --target DIR triton==3.6.0, then
+--triton-path DIR); other versions give other code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+PAGE_SIG = {"k0": "*u8", "k1": "*u8", "k2": "*u8", "k3": "*bf16", "k4": "*u8",
+            "v0": "*u8", "v1": "*u8", "v2": "*u8", "v3": "*bf16", "v4": "*u8"}
+SIG = {"q_ptr": "*bf16", "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **PAGE_SIG,
+       "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "sm_scale_log2": "fp32", "stride_q_seq": "i32",
+       "stride_q_head": "i32", "stride_bt": "i32", "split_size": "i32", "num_splits": "i32"}
+DIVISIBLE = {"stride_q_seq", "stride_q_head", "stride_bt", "split_size"}  # as the launcher's arguments are
+SHAPES = {"8B": (8, 4), "70B-TP8": (1, 8)}  # (KV heads, query heads per KV head) per GPU
+
+
+def sass_loop(cubin: str, bin_dir: str) -> tuple[str, list[str]]:
+    """(resource line, opcodes of the largest loop) of a cubin."""
+    res = subprocess.run([f"{bin_dir}/cuobjdump", "-res-usage", cubin], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    sass = subprocess.run([f"{bin_dir}/cuobjdump", "-sass", cubin], capture_output=True, text=True,
+                          check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    best: list[str] = []
+    for addr, text in ins:
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            if len(body) > len(best):
+                best = body
+    ops = [re.sub(r"^@!?U?P[T0-9]+\s+", "", t).split()[0].split(".")[0] for t in best]
+    return res, ops
+
+
+def compile_kernel(fn, sig: dict, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None,
+                   out_dir: str) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    params = list(inspect.signature(fn.fn).parameters)
+    full = {p: sig.get(p, "constexpr") for p in params}
+    attrs = {(params.index(p),): [["tt.divisibility", 16]]
+             for p in params if full[p].startswith("*") or p in DIVISIBLE}
+    src = ASTSource(fn, full, constexprs={(params.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    opts = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    path = os.path.join(out_dir, f"{fn.fn.__name__}.cubin")
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--triton-path", default=None, help="a directory holding the Triton to compile with")
+    args = ap.parse_args()
+    if args.triton_path:
+        sys.path.insert(0, args.triton_path)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import triton
+    import triton.language as tl
+
+    from app.kernels.decode_attention import _decode_fp4_kernel, _decode_kernel
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    print(f"triton {triton.__version__}, sm_90; loop instructions per thread and per (token, KV head)")
+    common = {"D": 128, "BS": 16, "DT": tl.bfloat16, "SPLIT": True, "PRECISE": False, "ASM": True}
+    fp4_args = {"K_G": 32, "K_KO": 4, "V_G": 32, "V_KO": 0}
+    generic_fp4 = {"K_KIND": 2, "K_G": 32, "K_KO": 4, "V_KIND": 2, "V_G": 32, "V_KO": 0}
+    dense = {"K_KIND": 0, "K_G": 1, "K_KO": 0, "V_KIND": 0, "V_G": 1, "V_KO": 0}
+    dense_sig = dict(SIG, **{k: "*bf16" for k in PAGE_SIG})
+    # (name, kernel, signature, constexprs, warps, stages, maxnreg, tokens per tile)
+    cases = [
+        ("fp4 kernel (default: 128 regs, 1 stage)", _decode_fp4_kernel, SIG, fp4_args, 4, 1, 128, 128),
+        ("fp4 kernel, registers uncapped, 2 stages", _decode_fp4_kernel, SIG, fp4_args, 4, 2, None, 128),
+        ("generic kernel on fp4 pages (before)", _decode_kernel, SIG, generic_fp4, 4, 2, None, 128),
+        ("generic kernel on bf16 pages", _decode_kernel, dense_sig, dense, 4, 2, None, 64),
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, (heads, group) in SHAPES.items():
+            for name, fn, sig, extra, warps, stages, maxnreg, block_n in cases:
+                const = dict(common, H=heads, GROUP=group, GP=16, BLOCK_N=block_n, **extra)
+                cubin = compile_kernel(fn, sig, const, warps, stages, maxnreg, tmp)
+                res, ops = sass_loop(cubin, bin_dir)
+                regs = re.search(r"REG:(\d+)", res).group(1)
+                stack = re.search(r"STACK:(\d+)", res).group(1)
+                top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(8))
+                print(f"{model:8s} {name:42s} regs {regs:>3s} stack {stack:>3s} | loop {len(ops):5d} / thread, "
+                      f"{len(ops) * warps / block_n:5.1f} / (token, KV head) | {top}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
