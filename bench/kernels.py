@@ -8,7 +8,9 @@
    against plain Triton;
 3. decode: fp4 pages vs torch SDPA bf16 on contiguous K/V (enable_gqa, fastest backend) vs our bf16
    paged kernel, Llama-3.1-8B per GPU (32 q heads, 8 KV heads) and 70B at TP=8 (8 q heads, 1 KV
-   head), head_dim 128, contexts 1k-64k, batch 1-128; effective bandwidth = KV bytes / time;
+   head), head_dim 128, contexts 1k-64k, batch 1-128; effective bandwidth = KV bytes / time; the
+   fp4 pages also through the generic kernel (fp4_kernel=False: the fp4 path before
+   _decode_fp4_kernel), side by side;
 4. store_kv cost per token; 5. prefill TFLOP/s against SDPA bf16 (causal); 6. the engine smoke:
    greedy tokens with the kernels vs the torch path (Llama-3.1-8B shapes, dummy weights).
 Timings are triton.testing.do_bench medians (ms) of a CUDA graph holding one call; host launch
