@@ -279,16 +279,21 @@ def decode_attention(
     maxnreg: int | None = None,
     fp4_kernel: bool | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] query dtype
-    """Launcher. fp4 K and V pages (the engine's fp4 cache) run _decode_fp4_kernel, every other
-    combination _decode_kernel. block_n: tokens per tile (None: 128 for fp4 pages, 64 otherwise, the
+    """Launcher. fp4 K and V pages (the engine's fp4 cache) with head_dim >= 128 run
+    _decode_fp4_kernel, every other combination _decode_kernel. block_n: tokens per tile (None: 128 for fp4 pages, 64 otherwise, the
     fastest in bench/RESULTS.md); num_stages: software-pipeline depth (None: 2, and for fp4 pages 1
     once batch x KV heads >= 8); precise_pv: the PV product from p split into two bf16 terms
     (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton (the
-    benchmark compares both); maxnreg: the fp4 kernel's register cap on CUDA (None: 128, 0: none);
-    fp4_kernel: False runs fp4 pages through _decode_kernel (the benchmark's baseline)."""
+    benchmark compares both); maxnreg: the fp4 kernel's register cap on CUDA (None: 128 at head_dim
+    128, none otherwise; 0: none); fp4_kernel: True/False forces fp4 pages through
+    _decode_fp4_kernel/_decode_kernel (tests and the benchmark's baseline), None picks."""
     num_seqs, num_heads, head_dim = query.shape
-    both_fp4 = paged.page_kind(k_pages) == paged.page_kind(v_pages) == paged.FP4 and fp4_kernel is not False
-    capped = both_fp4 and maxnreg != 0 and not paged.interpreting()
+    # The fp4 kernel where it measured faster (bench/RESULTS.md): head_dim 128, capped at 128
+    # registers, and 256, uncapped (capped it spills); at 64 the generic kernel was 1.2-1.6x faster.
+    both_fp4 = paged.page_kind(k_pages) == paged.page_kind(v_pages) == paged.FP4 and (
+        fp4_kernel or (fp4_kernel is None and head_dim >= 128))
+    cap = (128 if head_dim == 128 else 0) if maxnreg is None else maxnreg
+    capped = both_fp4 and cap > 0 and not paged.interpreting()
     if block_n is None:
         block_n = 128 if paged.FP4 in (paged.page_kind(k_pages), paged.page_kind(v_pages)) else 64
     _, bs, num_kv_heads, d_k = paged.check_pages(k_pages, formats[0], "k_pages")
@@ -306,7 +311,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = num_splits_for(num_seqs, num_kv_heads, max_seq_len, query.device, block_n,
-                                    4 if capped else 2, whole_waves=both_fp4)
+                                    max(1, 65536 // (cap * 32 * num_warps)) if capped else 2, whole_waves=both_fp4)
     split_size = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max_seq_len, split_size))
     if out is None:
@@ -325,12 +330,12 @@ def decode_attention(
             block_tables, seq_lens, scale * LOG2E, query.stride(0), query.stride(1), block_tables.stride(0),
             split_size, num_splits)
     if both_fp4:
-        # 128 registers: four programs (16 warps) per SM instead of two; a few spill slots are the
-        # cheaper side of that trade. One pipeline stage, except for fewer than 8 (sequence, KV head)
+        # 128 registers at head_dim 128: four programs (16 warps) per SM instead of two; a few spill
+        # slots are the cheaper side of that trade. One pipeline stage, except for fewer than 8 (sequence, KV head)
         # pairs (70B at TP 8, batch 1), where two were faster (bench/RESULTS.md).
         if num_stages is None:
             num_stages = 1 if num_seqs * num_kv_heads >= 8 else 2
-        tuning = {"maxnreg": maxnreg or 128} if capped else {}
+        tuning = {"maxnreg": cap} if capped else {}
         _decode_fp4_kernel[(num_kv_heads, num_seqs, num_splits)](
             *args, K_G=formats[0].group(head_dim), K_KO=formats[0].outliers, V_G=formats[1].group(head_dim),
             V_KO=formats[1].outliers, num_stages=num_stages, **tuning, **common)
