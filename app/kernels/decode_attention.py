@@ -148,13 +148,15 @@ def _decode_fp4_kernel(
         l = l * alpha + tl.sum(p, 1)
         p = p * fv[None, :]
         p_hi = p.to(DT)
+        vt_even = tl.trans(v_even.to(DT))  # [DH, BLOCK_N]
+        vt_odd = tl.trans(v_odd.to(DT))
         pt = tl.trans(p_hi)  # [BLOCK_N, GP]
-        acc_even = paged.mma(tl.trans(v_even.to(DT)), pt, acc_even * alpha[None, :])
-        acc_odd = paged.mma(tl.trans(v_odd.to(DT)), pt, acc_odd * alpha[None, :])
+        acc_even = paged.mma(vt_even, pt, acc_even * alpha[None, :])
+        acc_odd = paged.mma(vt_odd, pt, acc_odd * alpha[None, :])
         if PRECISE:
             pt_lo = tl.trans((p - p_hi.to(tl.float32)).to(DT))
-            acc_even = paged.mma(tl.trans(v_even.to(DT)), pt_lo, acc_even)
-            acc_odd = paged.mma(tl.trans(v_odd.to(DT)), pt_lo, acc_odd)
+            acc_even = paged.mma(vt_even, pt_lo, acc_even)
+            acc_odd = paged.mma(vt_odd, pt_lo, acc_odd)
         m = m_new
     heads = h * GROUP + g
     empty = l == 0.0  # an empty split (past this sequence's end) writes lse -inf and zeros
@@ -195,7 +197,7 @@ def _fp4_value_outliers(w_even, w_odd, p_val, p_idx, rows, mask, e, KO: tl.const
     N: tl.constexpr = w_even.shape[0]
     DH: tl.constexpr = w_even.shape[1]
     i = tl.arange(0, DH)
-    inv_f = (tl.maximum(246 - e, 1) << 23).to(tl.float32, bitcast=True)  # 1 / pow2_scale(e)
+    inv_f = paged.inv_pow2_scale(e)
     add_even = tl.zeros([N, DH], tl.float32)
     add_odd = tl.zeros([N, DH], tl.float32)
     for slot in tl.static_range(KO):
@@ -280,8 +282,8 @@ def decode_attention(
     fp4_kernel: bool | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] query dtype
     """Launcher. fp4 K and V pages (the engine's fp4 cache) with head_dim >= 128 run
-    _decode_fp4_kernel, every other combination _decode_kernel. block_n: tokens per tile (None: 128 for fp4 pages, 64 otherwise, the
-    fastest in bench/RESULTS.md); num_stages: software-pipeline depth (None: 2, and for fp4 pages 1
+    _decode_fp4_kernel, every other combination _decode_kernel. block_n: tokens per tile (None: 128
+    for fp4 pages, 64 otherwise, the fastest in bench/RESULTS.md); num_stages: software-pipeline depth (None: 2, and for fp4 pages 1
     once batch x KV heads >= 8); precise_pv: the PV product from p split into two bf16 terms
     (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton (the
     benchmark compares both); maxnreg: the fp4 kernel's register cap on CUDA (None: 128 at head_dim
@@ -331,8 +333,8 @@ def decode_attention(
             split_size, num_splits)
     if both_fp4:
         # 128 registers at head_dim 128: four programs (16 warps) per SM instead of two; a few spill
-        # slots are the cheaper side of that trade. One pipeline stage, except for fewer than 8 (sequence, KV head)
-        # pairs (70B at TP 8, batch 1), where two were faster (bench/RESULTS.md).
+        # slots are the cheaper side of that trade. One pipeline stage, except for fewer than 8
+        # (sequence, KV head) pairs (70B at TP 8, batch 1), where two were faster (bench/RESULTS.md).
         if num_stages is None:
             num_stages = 1 if num_seqs * num_kv_heads >= 8 else 2
         tuning = {"maxnreg": cap} if capped else {}

@@ -188,22 +188,23 @@ def e2m1_to_f32(n):
 # (y >> 6) & M | (y & signs): y's own bit 8 (the byte's bit 0) would spoil (y >> 6 | y) & M. The
 # scale operand is group scale x 2^118, so the product is value x scale x 2^-8, exact. Elementwise
 # with pack=4: inputs $4 (4 codes) and $5, $6 (4 scales); outputs $0, $1 (low nibbles), $2, $3 (high).
+# The body, with the scale registers of element pairs (0, 1) and (2, 3) as SCALE01 and SCALE23.
+_FP4_UNPACK_BODY = """
+  prmt.b32 y, $4, z, 0x1404;
+  shr.b32 t, y, 2; shl.b32 u, y, 4; lop3.b32 t, t, u, 0x81C081C0, 0xA8;
+  mul.rn.bf16x2 $0, t, SCALE01;
+  shr.b32 t, y, 6; and.b32 u, y, 0x80008000; lop3.b32 t, t, u, 0x81C081C0, 0xEC;
+  mul.rn.bf16x2 $2, t, SCALE01;
+  prmt.b32 y, $4, z, 0x3424;
+  shr.b32 t, y, 2; shl.b32 u, y, 4; lop3.b32 t, t, u, 0x81C081C0, 0xA8;
+  mul.rn.bf16x2 $1, t, SCALE23;
+  shr.b32 t, y, 6; and.b32 u, y, 0x80008000; lop3.b32 t, t, u, 0x81C081C0, 0xEC;
+  mul.rn.bf16x2 $3, t, SCALE23;
+"""
 _FP4_UNPACK_PTX = tl.constexpr("""
 {
   .reg .b32 z, y, t, u;
-  mov.b32 z, 0;
-  prmt.b32 y, $4, z, 0x1404;
-  shr.b32 t, y, 2; shl.b32 u, y, 4; lop3.b32 t, t, u, 0x81C081C0, 0xA8;
-  mul.rn.bf16x2 $0, t, $5;
-  shr.b32 t, y, 6; and.b32 u, y, 0x80008000; lop3.b32 t, t, u, 0x81C081C0, 0xEC;
-  mul.rn.bf16x2 $2, t, $5;
-  prmt.b32 y, $4, z, 0x3424;
-  shr.b32 t, y, 2; shl.b32 u, y, 4; lop3.b32 t, t, u, 0x81C081C0, 0xA8;
-  mul.rn.bf16x2 $1, t, $6;
-  shr.b32 t, y, 6; and.b32 u, y, 0x80008000; lop3.b32 t, t, u, 0x81C081C0, 0xEC;
-  mul.rn.bf16x2 $3, t, $6;
-}
-""")
+  mov.b32 z, 0;""" + _FP4_UNPACK_BODY.replace("SCALE01", "$5").replace("SCALE23", "$6") + "}\n")
 
 
 @triton.jit
@@ -234,19 +235,8 @@ _FP4_UNPACK_SCALEBITS_PTX = tl.constexpr("""
   .reg .b32 z, y, t, u, s01, s23;
   mov.b32 z, 0;
   prmt.b32 s01, $5, $6, 0x5410; mad.lo.u32 s01, s01, 16, 0x77007700;
-  prmt.b32 s23, $7, $8, 0x5410; mad.lo.u32 s23, s23, 16, 0x77007700;
-  prmt.b32 y, $4, z, 0x1404;
-  shr.b32 t, y, 2; shl.b32 u, y, 4; lop3.b32 t, t, u, 0x81C081C0, 0xA8;
-  mul.rn.bf16x2 $0, t, s01;
-  shr.b32 t, y, 6; and.b32 u, y, 0x80008000; lop3.b32 t, t, u, 0x81C081C0, 0xEC;
-  mul.rn.bf16x2 $2, t, s01;
-  prmt.b32 y, $4, z, 0x3424;
-  shr.b32 t, y, 2; shl.b32 u, y, 4; lop3.b32 t, t, u, 0x81C081C0, 0xA8;
-  mul.rn.bf16x2 $1, t, s23;
-  shr.b32 t, y, 6; and.b32 u, y, 0x80008000; lop3.b32 t, t, u, 0x81C081C0, 0xEC;
-  mul.rn.bf16x2 $3, t, s23;
-}
-""")
+  prmt.b32 s23, $7, $8, 0x5410; mad.lo.u32 s23, s23, 16, 0x77007700;""" + _FP4_UNPACK_BODY.replace(
+    "SCALE01", "s01").replace("SCALE23", "s23") + "}\n")
 
 
 @triton.jit
@@ -278,12 +268,9 @@ def fp4_unpack_groups(codes, sbits, ASM: tl.constexpr):
         lo, hi = tl.inline_asm_elementwise(
             _FP4_UNPACK_SCALEBITS_PTX, "=r,=r,=r,=r,r,r,r,r,r", [codes, sw],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:
-        sc = e4m3_to_f32(sbits) * 0.00390625  # group scale x 2^-8
-        sc = tl.broadcast_to(sc[:, :, None], (N, NG, GH))
-        ci = codes.to(tl.int32)
-        lo = e2m1_to_f32(ci & 15) * sc
-        hi = e2m1_to_f32(ci >> 4) * sc
+    else:  # float32 scale x 2^118, as _fp4_unpack takes it (exact: powers of two)
+        sc = e4m3_to_f32(sbits) * 3.3230699894622794e35
+        lo, hi = _fp4_unpack(codes, tl.broadcast_to(sc[:, :, None], (N, NG, GH)), False)
     return tl.reshape(lo, (N, NG * GH)), tl.reshape(hi, (N, NG * GH))
 
 
@@ -292,6 +279,12 @@ def pow2_scale(e):
     """Second-level exponent bits [N] int32 -> 2^(scale_exp - 127 + 8) float32 (the factor the
     unpacked tiles leave out)."""
     return ((tl.minimum(e, 246) + 8) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def inv_pow2_scale(e):
+    """1 / pow2_scale(e) = 2^(119 - scale_exp): outlier values in the unpacked tiles' units."""
+    return (tl.maximum(246 - e, 1) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -360,8 +353,7 @@ def unpack_raw(a, b, c, idx, val, KIND: tl.constexpr, D: tl.constexpr, G: tl.con
                 idx_s = tl.sum(tl.where(k[None, :] == slot, idx, 0), 1)
                 val_s = tl.sum(tl.where(k[None, :] == slot, val, 0.0), 1)
                 add += tl.where(d[None, :] == idx_s[:, None], val_s[:, None], 0.0)
-            inv_f = (tl.maximum(246 - e, 1) << 23).to(tl.float32, bitcast=True)  # 1 / f = 2^(119 - scale_exp)
-            w = w.to(tl.float32) + add * inv_f[:, None]
+            w = w.to(tl.float32) + add * inv_pow2_scale(e)[:, None]
         w = w.to(DT)
     return w, f
 
