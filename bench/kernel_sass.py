@@ -1,9 +1,9 @@
 """Compile the decode kernels for sm_90 on any machine (no GPU) and count their instructions.
 
-    python bench/kernel_sass.py [--triton-path DIR]
+    python bench/kernel_sass.py [--triton-path DIR] [--only Gluon] [--json]
 
 Triton compiles for a target it is given, and its wheel carries ptxas and cuobjdump, so the
-machine code of a kernel can be read without a GPU. For each decode kernel and shape this prints
+machine code of a kernel can be read without a GPU (Gluon kernels too). For each decode kernel and shape this prints
 registers and stack (spill) bytes per thread and the instructions of the main loop (the largest
 backward branch), per thread and per (token, KV head): loop instructions x warps / tokens per tile,
 the figure to hold against the ~36 warp instructions per (token, KV head) that streaming fp4's 150
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -53,9 +54,13 @@ def sass_loop(cubin: str, bin_dir: str) -> tuple[str, list[str]]:
 
 def compile_kernel(fn, sig: dict, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None,
                    out_dir: str) -> str:
+    """Compile a Triton or Gluon kernel for sm_90 and write its cubin to out_dir; returns the path."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource  # noqa: N814
 
     params = list(inspect.signature(fn.fn).parameters)
     full = {p: sig.get(p, "constexpr") for p in params}
@@ -73,6 +78,8 @@ def compile_kernel(fn, sig: dict, constexprs: dict, num_warps: int, num_stages: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--triton-path", default=None, help="a directory holding the Triton to compile with")
+    ap.add_argument("--only", default=None, help="only the kernels whose name contains this (e.g. Gluon)")
+    ap.add_argument("--json", action="store_true", help="print one JSON line per kernel and shape (for tests)")
     args = ap.parse_args()
     if args.triton_path:
         sys.path.insert(0, args.triton_path)
@@ -80,18 +87,24 @@ def main() -> None:
     import triton
     import triton.language as tl
 
+    from app.kernels import decode_fp4_gluon
     from app.kernels.decode_attention import _decode_fp4_kernel, _decode_kernel
 
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    print(f"triton {triton.__version__}, sm_90; loop instructions per thread and per (token, KV head)")
+    if not args.json:
+        print(f"triton {triton.__version__}, sm_90; loop instructions per thread and per (token, KV head)")
     common = {"D": 128, "BS": 16, "DT": tl.bfloat16, "SPLIT": True, "PRECISE": False, "ASM": True}
     fp4_args = {"K_G": 32, "K_KO": 4, "V_G": 32, "V_KO": 0}
     generic_fp4 = {"K_KIND": 2, "K_G": 32, "K_KO": 4, "V_KIND": 2, "V_G": 32, "V_KO": 0}
     dense = {"K_KIND": 0, "K_G": 1, "K_KO": 0, "V_KIND": 0, "V_G": 1, "V_KO": 0}
     dense_sig = dict(SIG, **{k: "*bf16" for k in PAGE_SIG})
     # (name, kernel, signature, constexprs, warps, stages, maxnreg, tokens per tile)
+    gluon_sig = dict(SIG, qt_ptr="*fp32")
+    gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, **decode_fp4_gluon.layouts()}
     cases = [
-        ("fp4 kernel (default: 128 regs, 1 stage)", _decode_fp4_kernel, SIG, fp4_args, 4, 1, 128, 128),
+        ("Gluon fp4 kernel (the default)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig, gluon_args, 4, 1,
+         None, 64),
+        ("Triton fp4 kernel (128 regs, 1 stage)", _decode_fp4_kernel, SIG, fp4_args, 4, 1, 128, 128),
         ("fp4 kernel, registers uncapped, 2 stages", _decode_fp4_kernel, SIG, fp4_args, 4, 2, None, 128),
         ("generic kernel on fp4 pages (before)", _decode_kernel, SIG, generic_fp4, 4, 2, None, 128),
         ("generic kernel on bf16 pages", _decode_kernel, dense_sig, dense, 4, 2, None, 64),
@@ -99,12 +112,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for model, (heads, group) in SHAPES.items():
             for name, fn, sig, extra, warps, stages, maxnreg, block_n in cases:
+                if args.only and args.only not in name:
+                    continue
                 const = dict(common, H=heads, GROUP=group, GP=16, BLOCK_N=block_n, **extra)
+                if fn.is_gluon():  # its own parameters only
+                    const = dict(H=heads, GROUP=group, BS=16, SPLIT=True, **extra)
                 cubin = compile_kernel(fn, sig, const, warps, stages, maxnreg, tmp)
                 res, ops = sass_loop(cubin, bin_dir)
                 regs = re.search(r"REG:(\d+)", res).group(1)
                 stack = re.search(r"STACK:(\d+)", res).group(1)
-                top = ", ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(8))
+                counts = collections.Counter(ops)
+                if args.json:
+                    print(json.dumps({"model": model, "kernel": name, "regs": int(regs), "stack": int(stack),
+                                      "loop": len(ops), "per_token_head": len(ops) * warps / block_n,
+                                      "ops": dict(counts)}), flush=True)
+                    continue
+                top = ", ".join(f"{op} {n}" for op, n in counts.most_common(8))
                 print(f"{model:8s} {name:42s} regs {regs:>3s} stack {stack:>3s} | loop {len(ops):5d} / thread, "
                       f"{len(ops) * warps / block_n:5.1f} / (token, KV head) | {top}", flush=True)
 

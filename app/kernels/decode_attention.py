@@ -10,13 +10,16 @@ split it writes the output; with several, each split writes its normalized parti
 log-sum-exp, and `_merge_kernel` combines them. Splitting the KV range is what keeps 132 SMs busy
 at batch 1 and long context.
 
-fp4 K and V pages run _decode_fp4_kernel, the same algorithm arranged around the fp4 unpack (its
-docstring says how); every other combination runs _decode_kernel.
+The engine's default fp4 cache runs decode_fp4_gluon's kernel on CUDA (Gluon: explicit layouts
+around the fp4 unpack; its docstring says how, `unsupported` says what it needs); other fp4 K and
+V pages run _decode_fp4_kernel, the same algorithm arranged around the unpack in plain Triton (also
+what the CPU tests interpret); every other combination runs _decode_kernel.
 
-Speed (bench/RESULTS.md, H200): bf16 pages run within 3-12% of torch SDPA on contiguous K/V for the
-Llama-3.1-8B shape at batch >= 8; fp4 pages at 0.83-1.00x SDPA's speed from 8k context and batch 8,
-1.5-2.7x the generic kernel's on the same pages, bound by instruction issue rather than bytes
-(bench/kernel_sass.py counts the loop's instructions without a GPU).
+Speed (bench/RESULTS.md, H200): bf16 pages run within 3-16% of torch SDPA on contiguous K/V for the
+Llama-3.1-8B shape at batch >= 8; fp4 pages (Gluon) 1.24-1.58x faster than SDPA from 8k context
+and batch 8 (70B at TP 8: 0.93-1.55x), 1.02-1.86x the Triton fp4 kernel, bound by instruction
+issue on the integer pipe rather than bytes (bench/kernel_sass.py counts the loop's instructions
+without a GPU).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import triton
 import triton.language as tl
 
 from app.engine.attention import causal_attention_ref
-from app.kernels import paged
+from app.kernels import decode_fp4_gluon, paged
 from app.kernels.fp4 import FP4Format
 
 LOG2E = 1.4426950408889634
@@ -280,6 +283,7 @@ def decode_attention(
     out: torch.Tensor | None = None,
     maxnreg: int | None = None,
     fp4_kernel: bool | None = None,
+    gluon: bool | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] query dtype
     """Launcher. fp4 K and V pages (the engine's fp4 cache) with head_dim >= 128 run
     _decode_fp4_kernel, every other combination _decode_kernel. block_n: tokens per tile (None: 128
@@ -288,7 +292,9 @@ def decode_attention(
     (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton (the
     benchmark compares both); maxnreg: the fp4 kernel's register cap on CUDA (None: 128 at head_dim
     128, none otherwise; 0: none); fp4_kernel: True/False forces fp4 pages through
-    _decode_fp4_kernel/_decode_kernel (tests and the benchmark's baseline), None picks."""
+    _decode_fp4_kernel/_decode_kernel (tests and the benchmark's baseline), None picks; gluon: fp4
+    pages through decode_fp4_gluon (None: wherever its scope allows, False: never, True: required;
+    maxnreg caps its registers too)."""
     num_seqs, num_heads, head_dim = query.shape
     # The fp4 kernel where it measured faster (bench/RESULTS.md): head_dim 128, capped at 128
     # registers, and 256, uncapped (capped it spills); at 64 the generic kernel was 1.2-1.6x faster.
@@ -311,18 +317,20 @@ def decode_attention(
     assert block_tables.dtype in (torch.int32, torch.int64) and seq_lens.shape == (num_seqs,)
     assert paged.is_pow2(block_n) and block_n >= 16, f"block_n must be a power of two >= 16 (got {block_n})"
     group = num_heads // num_kv_heads
+    # the Gluon kernel wherever its scope allows, unless a Triton kernel is asked for: fp4_kernel=True,
+    # precise_pv (not implemented there) or the plain-Triton unpack (asm=False)
+    use_gluon = both_fp4 and gluon is not False and fp4_kernel is not True and not precise_pv and asm is not False
+    assert use_gluon or not gluon, "gluon=True needs fp4 K and V pages, and no fp4_kernel=True, precise_pv or asm=False"
+    if use_gluon:
+        why = decode_fp4_gluon.unsupported(query, k_pages, v_pages, formats, bs)
+        assert why is None or not gluon, f"the Gluon fp4 kernel cannot run this decode: {why}"
+        if why is None:
+            return _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats,
+                                 num_splits, out, maxnreg)
     if num_splits is None:
         num_splits = num_splits_for(num_seqs, num_kv_heads, max_seq_len, query.device, block_n,
                                     max(1, 65536 // (cap * 32 * num_warps)) if capped else 2, whole_waves=both_fp4)
-    split_size = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max_seq_len, split_size))
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    assert out.shape == query.shape and out.is_contiguous() and out.dtype == query.dtype
-    part_o = part_lse = out
-    if num_splits > 1:
-        part_o = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
-        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    split_size, num_splits, out, part_o, part_lse = _split_buffers(query, max_seq_len, num_splits, block_n, out)
     common = dict(
         H=num_kv_heads, GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=head_dim, BS=bs,
         DT=paged.operand_dtype(k_pages, v_pages), BLOCK_N=block_n, SPLIT=num_splits > 1, PRECISE=precise_pv,
@@ -345,9 +353,45 @@ def decode_attention(
         _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
             *args, **paged.page_constexprs(k_pages, formats[0], "K"), **paged.page_constexprs(v_pages, formats[1], "V"),
             num_stages=2 if num_stages is None else num_stages, **common)
-    if num_splits > 1:
-        _merge_kernel[(num_seqs * num_heads,)](part_o, part_lse, out, num_splits, D=head_dim, CHUNK=16, num_warps=4)
+    _merge_splits(part_o, part_lse, out, num_splits)
     return out
+
+
+def _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats, num_splits, out,
+                  maxnreg: int | None) -> torch.Tensor:
+    launch = decode_fp4_gluon.Launch(query, k_pages, v_pages, block_tables, seq_lens, scale * LOG2E,
+                                     formats[0].outliers, maxnreg)
+    tile = decode_fp4_gluon.W * decode_fp4_gluon.TW
+    if num_splits is None:
+        num_splits = num_splits_for(query.shape[0], k_pages.codes.shape[2], max_seq_len, query.device, tile,
+                                    launch.programs_per_sm(), whole_waves=True)
+    split_size, num_splits, out, part_o, part_lse = _split_buffers(query, max_seq_len, num_splits, tile, out)
+    launch.run(out, part_o, part_lse, split_size, num_splits)
+    _merge_splits(part_o, part_lse, out, num_splits)
+    return out
+
+
+def _split_buffers(query, max_seq_len: int, num_splits: int, tile: int, out):
+    """Split length rounded up to whole tiles (and the split count it leaves), the output, and with
+    several splits the float32 partial outputs and log-sum-exps: (split_size, num_splits, out,
+    part_o, part_lse); part_o and part_lse are `out` when unused."""
+    num_seqs, num_heads, head_dim = query.shape
+    split_size = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), tile) * tile
+    num_splits = max(1, triton.cdiv(max_seq_len, split_size))
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    assert out.shape == query.shape and out.is_contiguous() and out.dtype == query.dtype
+    part_o = part_lse = out
+    if num_splits > 1:
+        part_o = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    return split_size, num_splits, out, part_o, part_lse
+
+
+def _merge_splits(part_o, part_lse, out, num_splits: int) -> None:
+    if num_splits > 1:
+        num_seqs, num_heads, head_dim = out.shape
+        _merge_kernel[(num_seqs * num_heads,)](part_o, part_lse, out, num_splits, D=head_dim, CHUNK=16, num_warps=4)
 
 
 def decode_attention_ref(

@@ -1,0 +1,479 @@
+"""fp4 flash-decoding in Gluon: the unpack written against the tensor cores' register layout.
+
+The Triton kernel (_decode_fp4_kernel) leaves the layouts to the compiler, which loads code bytes in
+a coalesced layout, moves them through shared memory into the MMA operand layout and runs the
+softmax over 16 padded query rows. Here every tensor has an explicit layout (Gluon, Triton's
+layout-level language), chosen so that nothing moves between threads except the probabilities:
+
+- Orientation. Scores are computed transposed, S^T [tokens, query heads] = K Q^T, so tokens are the
+  MMA's M (16 per warp tile) and the query heads its N (8: a whole GQA group of Llama-3 8B or 70B,
+  padded from 4 to 8 at most instead of to 16). The output is O^T [head_dim, heads] = V^T P^T.
+- The K operand. mma.m16n8k16 gives each thread, per row, the k pairs (2t, 2t+1) and (2t+8, 2t+9)
+  of each 16-wide k step. Which head dimension sits at which k is free as long as Q^T is permuted
+  alike, so thread t takes bytes 16t..16t+15 of the row's 64 code bytes (one 16-byte load), and a
+  k pair is one nibble of two adjacent bytes: the PTX unpack's output registers go to the tensor
+  cores as they are. With groups of 32 the thread's 32 values share one E4M3 scale.
+- The V operand. V^T's k is the token, so a pair is two tokens' same nibble. The rows (head
+  dimensions) are free again: lane group g takes bytes 8g..8g+7 of each token (one 8-byte load),
+  and one prmt pairs two tokens' bytes before the same unpack. The output rows are permuted back
+  when stored.
+- Warps. Each of the 4 warps walks its own 16 tokens of every 64-token tile with its own online
+  softmax (max, sum, O^T); the four states merge once at the end. The loop has no barrier and no
+  shared memory; the probabilities change from the MMA result layout to the operand layout within
+  a warp (shuffles). Whole tiles run without masks, the last one with them.
+- Pages. A warp tile's 16 tokens share a page, so each warp reads the block table once per tile
+  and addresses its tokens as base row + r x num_kv_heads.
+
+Scope: head_dim 128, K and V groups of 32, 0 or 4 key outlier slots and none for values (the
+engine's default format), at most 8 query heads per KV head, pages of a multiple of 16 tokens;
+decode_attention runs the Triton kernels otherwise (`unsupported` says why). Gluon does not run
+under the interpreter: tests/test_kernels_gluon.py compiles it for sm_90 on any machine and checks
+it against the reference on a GPU; bench/kernels.py times it, bench/kernel_sass.py counts its loop.
+"""
+
+from __future__ import annotations
+
+from app.kernels import paged
+
+try:  # Gluon ships with Triton >= 3.5; without it decode_attention uses the Triton kernels
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    AVAILABLE = False
+
+W = 4  # warps per program
+TW = 16  # tokens per warp tile: the MMA's M for the scores, its K for the PV product
+N_HEADS = 8  # MMA N: query heads per KV head, padded
+
+# One word of E2M1 code bytes of each of two tokens (a: $8, b: $9) and their group scales as one
+# bf16x2 word ($10: bf16_scales) -> eight bf16x2 pairs (token a, token b) of one nibble of one byte:
+# $0 lo(byte 0), $1 lo(1), $2 hi(0), $3 hi(1), $4 lo(2), $5 lo(3), $6 hi(2), $7 hi(3). Two prmts
+# interleave the tokens' bytes; the rest is paged._FP4_UNPACK_BODY, one bf16x2 scale for all.
+_PAIR_BODY = """
+  prmt.b32 y, W, z, 0x1404;
+  shr.b32 t, y, 2; shl.b32 u, y, 4; lop3.b32 t, t, u, 0x81C081C0, 0xA8;
+  mul.rn.bf16x2 OLO0, t, $10;
+  shr.b32 t, y, 6; and.b32 u, y, 0x80008000; lop3.b32 t, t, u, 0x81C081C0, 0xEC;
+  mul.rn.bf16x2 OHI0, t, $10;
+  prmt.b32 y, W, z, 0x3424;
+  shr.b32 t, y, 2; shl.b32 u, y, 4; lop3.b32 t, t, u, 0x81C081C0, 0xA8;
+  mul.rn.bf16x2 OLO1, t, $10;
+  shr.b32 t, y, 6; and.b32 u, y, 0x80008000; lop3.b32 t, t, u, 0x81C081C0, 0xEC;
+  mul.rn.bf16x2 OHI1, t, $10;
+"""
+_V_UNPACK_PTX = ("""
+{
+  .reg .b32 z, y, t, u, w0, w1;
+  mov.b32 z, 0;
+  prmt.b32 w0, $8, $9, 0x5140;
+  prmt.b32 w1, $8, $9, 0x7362;"""
+                 + _PAIR_BODY.replace("W", "w0").replace("OLO0", "$0").replace("OLO1", "$1")
+                 .replace("OHI0", "$2").replace("OHI1", "$3")
+                 + _PAIR_BODY.replace("W", "w1").replace("OLO0", "$4").replace("OLO1", "$5")
+                 .replace("OHI0", "$6").replace("OHI1", "$7")
+                 + "}\n")
+
+# One word of code bytes of one token ($4) and its bf16x2 scale word ($5) -> (low nibbles of bytes
+# 0, 1), (2, 3) as $0, $1 and the high nibbles as $2, $3 (paged._FP4_UNPACK_BODY).
+_K_UNPACK_PTX = paged._FP4_UNPACK_PTX.value.replace("$6", "$5")
+
+
+def _linear(reg, lane, shape):
+    """A linear layout over [W, ...] with the warps on dim 0 and the given register and lane bases."""
+    warps = [[1] + [0] * (len(shape) - 1), [2] + [0] * (len(shape) - 1)]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warps, block_bases=[], shape=shape)
+
+
+def layouts() -> dict:
+    """The kernel's layouts (warp tiles of TW = 16 tokens); lane = 4 g + t as in mma.m16n8k16."""
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+    return dict(
+        MMA=mma,
+        A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+        B_OP=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
+        # K code words [W, 16 tokens, 4 (t), 4 words]: thread (g, t) holds bytes 16t.. of tokens g, g+8
+        K_LOAD=_linear([[0, 0, 0, 1], [0, 0, 0, 2], [0, 8, 0, 0]],
+                       [[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]], [W, TW, 4, 4]),
+        # V code words of the first token of each pair [W, 8 pairs, 8 (g), 2 words]: thread (g, t)
+        # holds bytes 8g.. of tokens 2t and 2t + 8 (the second token of a pair is the next row)
+        V_LOAD=_linear([[0, 0, 0, 1], [0, 4, 0, 0]],
+                       [[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]], [W, TW // 2, 8, 2]),
+    )
+
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _as_bf16_pairs(x):
+        """int32 words [...] -> bf16 [..., 2], each word's low and high half: a register reinterpreted
+        (Triton has no bitcast that splits an element), so the unpack's words reach the MMA as they are."""
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [gl.join(x, x)], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+
+    @gluon.jit
+    def _unpack_k(codes, scale):
+        """codes [W, TW, 4, 4] int32 (bytes 16t + 4w..), bf16x2 scale words [W, TW, 4] (bf16_scales) ->
+        K [W, TW, 128] bf16 in the A-operand layout, k = 16 j + 8 h + 2 t + x holding head dimension
+        32 t + 4 j + 2 x + h (value x scale x 2^-8)."""
+        WN: gl.constexpr = codes.shape[0]
+        TW: gl.constexpr = codes.shape[1]
+        sw = gl.expand_dims(scale, 3).broadcast_to(codes.shape)
+        lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
+            _K_UNPACK_PTX_C, "=r,=r,=r,=r,r,r", [codes, sw], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+            is_pure=True, pack=1)
+        # byte 4w + 2q + e of the thread's 16: nibble of word w, pair q, element e
+        lo = gl.join(_as_bf16_pairs(lo01), _as_bf16_pairs(lo23))  # [W, TW, 4 t, 4 w, 2 e, 2 q]
+        hi = gl.join(_as_bf16_pairs(hi01), _as_bf16_pairs(hi23))
+        k = gl.join(lo, hi)  # [W, TW, t, w, e, q, nibble]
+        k = gl.permute(k, [0, 1, 3, 5, 6, 2, 4])  # [W, TW, w, q, nibble, t, e]: j = 2 w + q, x = e
+        return gl.reshape(k, [WN, TW, 128])
+
+    @gluon.jit
+    def bf16_scales(sbits_a, sbits_b):
+        """E4M3 scale bits (never subnormal: fp4.py) of two tokens -> one bf16x2 word (scale x 2^118 each),
+        the unpack's scale operand: bits x 16 + 0x7700 puts E4M3's fields into bf16's and adds 238 to
+        the exponent (paged._FP4_UNPACK_SCALEBITS_PTX)."""
+        a = sbits_a.to(gl.int32) * 16 + 0x7700
+        b = sbits_b.to(gl.int32) * 16 + 0x7700
+        return a | (b << 16)
+
+    @gluon.jit
+    def _unpack_v(ca, cb, scale):
+        """V code words of tokens 2p and 2p+1 [W, TW/2, 8 (g), 2] int32 with their bf16x2 scales
+        [W, TW/2, 8] -> V^T [W, 128, TW] bf16 in the A-operand layout: row 16 i + 8 h + g holds head
+        dimension 16 g + 2 i + h, column the token."""
+        WN: gl.constexpr = ca.shape[0]
+        P2: gl.constexpr = ca.shape[1]
+        TW: gl.constexpr = 2 * P2
+        sw = gl.expand_dims(scale, 3).broadcast_to(ca.shape)
+        l0, l1, h0, h1, l2, l3, h2, h3 = gl.inline_asm_elementwise(
+            _V_UNPACK_PTX_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [ca, cb, sw],
+            dtype=(gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32),
+            is_pure=True, pack=1)
+        # l_c (h_c): low (high) nibbles of byte c = 2q + p of the word, tokens (2 pair, 2 pair + 1)
+        lo = gl.join(gl.join(_as_bf16_pairs(l0), _as_bf16_pairs(l1)), gl.join(_as_bf16_pairs(l2), _as_bf16_pairs(l3)))
+        hi = gl.join(gl.join(_as_bf16_pairs(h0), _as_bf16_pairs(h1)), gl.join(_as_bf16_pairs(h2), _as_bf16_pairs(h3)))
+        v = gl.join(lo, hi)  # [W, pair, g, w, y, p, q, nibble]: byte 4w + 2q + p of token 2 pair + y
+        v = gl.reshape(v, [WN, P2 // 4, 4, 8, 2, 2, 2, 2, 2])  # pair = 4 qq + t
+        v = gl.permute(v, [0, 4, 7, 6, 8, 3, 1, 2, 5])  # [W, w, q, p, nibble, g, qq, t, y]
+        return gl.reshape(v, [WN, 128, TW])
+
+    _V_UNPACK_PTX_C: gl.constexpr = gl.constexpr(_V_UNPACK_PTX)
+    _K_UNPACK_PTX_C: gl.constexpr = gl.constexpr(_K_UNPACK_PTX)
+
+    @gluon.jit
+    def _tile_base(bt_row, n_w, end, BS: gl.constexpr, H: gl.constexpr, h, OFF64: gl.constexpr,
+                   MASKED: gl.constexpr):
+        """Row (slot * H + head) of token n_w, the first of a warp tile: pages hold whole tiles (BS a
+        multiple of TW), so the tile's token r sits at row base + r * H. int32 unless OFF64."""
+        if MASKED:
+            blk = gl.load(bt_row + n_w // BS, mask=n_w < end, other=0)
+        else:
+            blk = gl.load(bt_row + n_w // BS)
+        if OFF64:
+            blk = blk.to(gl.int64)
+        else:
+            blk = blk.to(gl.int32)
+        return (blk * BS + n_w % BS) * H + h
+
+    @gluon.jit
+    def _key_outliers(s, qt_cols, col_mask, iw, vw0, vw1, mask, GROUP: gl.constexpr, MASKED: gl.constexpr):
+        """s [W, TW, NH] + sum over the 4 slots of out_val x q[head, out_idx] x sm_scale_log2, in float32.
+        iw: the slots' 4 index bytes as one word, vw0/vw1: their bf16 values two per word; qt_cols: the
+        query x sm_scale_log2 transposed [D, GROUP] in float32 at this thread's columns, so one 64-bit
+        load gathers two heads."""
+        if MASKED:
+            m3 = col_mask & gl.expand_dims(mask, 2)
+        else:
+            m3 = col_mask & gl.expand_dims(mask | True, 2)
+        for pr in gl.static_range(2):
+            if pr == 0:
+                vw = vw0
+            else:
+                vw = vw1
+            for half in gl.static_range(2):
+                idx = (iw >> (8 * (2 * pr + half))) & 255
+                if half == 0:
+                    val = (vw << 16).to(gl.float32, bitcast=True)
+                else:
+                    val = (vw & -65536).to(gl.float32, bitcast=True)
+                qv = gl.load(qt_cols + gl.expand_dims(idx * GROUP, 2), mask=m3, other=0.0)
+                s = s + gl.expand_dims(val, 2) * qv
+        return s
+
+    @gluon.jit
+    def _masked_load(ptr, mask, MASKED: gl.constexpr):
+        if MASKED:
+            return gl.load(ptr, mask=mask, other=0)
+        else:
+            return gl.load(ptr)
+
+    @gluon.jit
+    def _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2,
+                     w_k, r_k, w_s, r_s, n_s3, w_v, p_v, off_kc, off_ks, off_vc, off_vs, sm_scale_log2,
+                     BS: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, TW: gl.constexpr,
+                     K_KO: gl.constexpr, OFF64: gl.constexpr, MASKED: gl.constexpr, A_OP: gl.constexpr,
+                     B_OP: gl.constexpr):
+        """One tile: tokens n0 + TW w + r for each warp w, its own online softmax state (m_i [W, NH],
+        per-thread partial sums l_i [W, TW, NH], O^T acc [W, D, NH]). MASKED: tokens at or past `end`
+        may be in the tile (the last one), else every load and score is taken as is."""
+        D: gl.constexpr = 128
+        NG: gl.constexpr = 4
+        # K -> S^T = K Q^T
+        base_k = _tile_base(bt_row, n0 + TW * w_k, end, BS, H, h, OFF64, MASKED)  # [W, 1, 1]
+        mk = n0 + TW * w_k + r_k < end  # [W, TW, 1]
+        kc = _masked_load(k0.to(gl.pointer_type(gl.int32)) + gl.expand_dims(base_k * (D // 8), 3) + off_kc,
+                          gl.expand_dims(mk, 3), MASKED)
+        ks = _masked_load(k1 + base_k * NG + off_ks, mk, MASKED).to(gl.int32)
+        base_s = _tile_base(bt_row, n0 + TW * w_s, end, BS, H, h, OFF64, MASKED)  # [W, 1]: S^T's rows
+        ms = n0 + TW * w_s + r_s < end  # [W, TW]
+        rows_s = base_s + r_s * H
+        ek = _masked_load(k2 + rows_s, ms, MASKED).to(gl.int32)
+        ka = gl.convert_layout(_unpack_k(kc, bf16_scales(ks, ks)), A_OP, assert_trivial=True)
+        s = mma_v2(ka, qt, gl.zeros_like(l_i))
+        fk = ((gl.minimum(ek, 246) + 8) << 23).to(gl.float32, bitcast=True) * sm_scale_log2
+        s = s * gl.expand_dims(fk, 2)
+        if K_KO == 4:
+            iw = _masked_load((k4 + rows_s * 4).to(gl.pointer_type(gl.int32)), ms, MASKED)
+            vw0 = _masked_load((k3 + rows_s * 4).to(gl.pointer_type(gl.int32)), ms, MASKED)
+            vw1 = _masked_load((k3 + rows_s * 4 + 2).to(gl.pointer_type(gl.int32)), ms, MASKED)
+            s = _key_outliers(s, qt_cols, n_s3 < GROUP, iw, vw0, vw1, ms, GROUP, MASKED)
+        # online softmax, base 2, per warp and query head
+        if MASKED:
+            s = gl.where(gl.expand_dims(ms, 2), s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no token yet
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_use = m_new
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+        l_i = l_i * gl.expand_dims(alpha, 1) + p
+        ev = _masked_load(v2 + rows_s, ms, MASKED).to(gl.int32)
+        fv = ((gl.minimum(ev, 246) + 8) << 23).to(gl.float32, bitcast=True)
+        pt = gl.convert_layout((p * gl.expand_dims(fv, 2)).to(gl.bfloat16), B_OP)
+        # V -> O^T += V^T P^T; V^T's columns are token pairs (2 pair, 2 pair + 1)
+        base_v = _tile_base(bt_row, n0 + TW * w_v, end, BS, H, h, OFF64, MASKED)  # [W, 1, 1]
+        mva = n0 + TW * w_v + 2 * p_v < end  # [W, TW/2, 1]
+        mvb = n0 + TW * w_v + 2 * p_v + 1 < end
+        pa = v0.to(gl.pointer_type(gl.int32)) + gl.expand_dims(base_v * (D // 8), 3) + off_vc
+        ca = _masked_load(pa, gl.expand_dims(mva, 3), MASKED)
+        cb = _masked_load(pa + H * (D // 8), gl.expand_dims(mvb, 3), MASKED)
+        psa = v1 + base_v * NG + off_vs
+        sa = _masked_load(psa, mva, MASKED).to(gl.int32)
+        sb = _masked_load(psa + H * NG, mvb, MASKED).to(gl.int32)
+        vt = gl.convert_layout(_unpack_v(ca, cb, bf16_scales(sa, sb)), A_OP, assert_trivial=True)
+        acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
+        return m_new, l_i, acc
+
+    @gluon.jit
+    def _decode_fp4_gluon_kernel(
+        q_ptr, qt_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+        k0, k1, k2, k3, k4, v0, v1, v2,
+        block_tables_ptr, seq_lens_ptr,
+        sm_scale_log2, stride_q_seq, stride_q_head, stride_bt, split_size, num_splits,
+        H: gl.constexpr, GROUP: gl.constexpr, BS: gl.constexpr, K_KO: gl.constexpr, SPLIT: gl.constexpr,
+        TW: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
+        K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, OFF64: gl.constexpr,
+    ):
+        D: gl.constexpr = 128
+        WN: gl.constexpr = 4
+        NG: gl.constexpr = 4  # groups of 32 per vector
+        NH: gl.constexpr = 8
+        h = gl.program_id(0)
+        b = gl.program_id(1)
+        sp = gl.program_id(2)
+        seq_len = gl.load(seq_lens_ptr + b)
+        start = sp * split_size
+        end = gl.minimum(seq_len, start + split_size)
+        bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
+        q_base = q_ptr + b.to(gl.int64) * stride_q_seq + (h * GROUP) * stride_q_head
+        qt_base = qt_ptr + (b * H + h).to(gl.int64) * (D * GROUP)  # query x sm_scale_log2 transposed, [D, GROUP]
+        if K_KO > 0:
+            # The key outlier slots gather q[head, idx] for two heads with one 64-bit load from the query
+            # transposed. Every program of this (sequence, KV head) writes the same float32 values to its
+            # slot of the scratch buffer; the barrier makes this program's writes visible to its warps.
+            QL: gl.constexpr = gl.BlockedLayout([1, NH], [32, 1], [WN, 1], [1, 0])
+            dq = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, QL)), 1)
+            nq2 = gl.expand_dims(gl.arange(0, NH, layout=gl.SliceLayout(0, QL)), 0)
+            qm = (nq2 < GROUP) & (dq >= 0)
+            qv = gl.load(q_base + nq2 * stride_q_head + dq, mask=qm, other=0.0).to(gl.float32)
+            gl.store(qt_base + dq * GROUP + nq2, qv * sm_scale_log2, mask=qm)
+            _barrier()
+
+        # Q^T [WN, 128, NH] as the B operand, k permuted as _unpack_k's: dim = 32 t + 4 j + 2 x + hh
+        kq = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
+        nq = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_OP)))
+        dim_k = 32 * ((kq >> 1) & 3) + 4 * (kq >> 4) + 2 * (kq & 1) + ((kq >> 3) & 1)
+        q_off = gl.expand_dims(gl.expand_dims(dim_k, 0), 2) + gl.expand_dims(gl.expand_dims(nq * stride_q_head, 0), 1)
+        q_mask = gl.expand_dims(gl.expand_dims(nq < GROUP, 0), 1)
+        wq = gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_OP)))
+        q_off = q_off + gl.expand_dims(gl.expand_dims(wq * 0, 1), 2)
+        qt = gl.load(q_base + q_off, mask=q_mask & (q_off >= 0), other=0.0).to(gl.bfloat16)
+
+        # index vectors in each layout
+        S_ROW: gl.constexpr = gl.SliceLayout(2, MMA)  # [WN, TW] rows of S^T
+        w_s = gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, S_ROW)), 1)
+        r_s = gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, S_ROW)), 0)
+        n_s = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
+        n_s3 = gl.expand_dims(gl.expand_dims(n_s, 0), 1)  # [1, 1, NH]
+        qt_cols = qt_base + n_s3
+        KL3: gl.constexpr = gl.SliceLayout(3, K_LOAD)
+        w_k = gl.expand_dims(gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL3))), 1), 2)
+        r_k = gl.expand_dims(gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL3))), 0), 2)
+        t_k = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL3))), 0), 1)
+        b_k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, K_LOAD))))
+        b_k = gl.expand_dims(gl.expand_dims(gl.expand_dims(b_k, 0), 1), 2)  # [1, 1, 1, 4] words
+        VL3: gl.constexpr = gl.SliceLayout(3, V_LOAD)
+        w_v = gl.expand_dims(gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL3))), 1), 2)
+        p_v = gl.arange(0, TW // 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL3)))
+        p_v = gl.expand_dims(gl.expand_dims(p_v, 0), 2)
+        g_v = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VL3))), 0), 1)
+        b_v = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, V_LOAD))))
+        b_v = gl.expand_dims(gl.expand_dims(gl.expand_dims(b_v, 0), 1), 2)  # [1, 1, 1, 2] words
+
+        off_kc = gl.expand_dims(r_k * (H * (D // 8)) + 4 * t_k, 3) + b_k  # [1, TW, 4, 4] words within a tile
+        off_ks = r_k * (H * NG) + t_k  # group t of 4
+        off_vc = gl.expand_dims(2 * p_v * (H * (D // 8)) + 2 * g_v, 3) + b_v  # token 2 pair, bytes 8g.. (words)
+        off_vs = 2 * p_v * (H * NG) + g_v // 2
+        m_i = gl.full([WN, NH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+        l_i = gl.zeros([WN, TW, NH], gl.float32, layout=MMA)  # per-thread partial sums, reduced at the end
+        acc = gl.zeros([WN, D, NH], gl.float32, layout=MMA)  # O^T per warp
+        tile = WN * TW
+        full_end = start + (gl.maximum(end - start, 0) // tile) * tile
+        for n0 in range(start, full_end, tile):  # whole tiles: no masks
+            m_i, l_i, acc = _attend_tile(
+                n0, end, m_i, l_i, acc, qt, qt_cols, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_s, r_s,
+                n_s3, w_v, p_v, off_kc, off_ks, off_vc, off_vs, sm_scale_log2, BS, H, GROUP, TW, K_KO, OFF64, False,
+                A_OP, B_OP)
+        if full_end < end:  # the last, partial tile
+            m_i, l_i, acc = _attend_tile(
+                full_end, end, m_i, l_i, acc, qt, qt_cols, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_s,
+                r_s, n_s3, w_v, p_v, off_kc, off_ks, off_vc, off_vs, sm_scale_log2, BS, H, GROUP, TW, K_KO, OFF64,
+                True, A_OP, B_OP)
+
+        # merge the warps' states
+        l_w = gl.sum(l_i, 1)  # [WN, NH]
+        m_all = gl.max(m_i, 0)  # [NH]
+        m_all_use = gl.where(m_all == float("-inf"), 0.0, m_all)
+        wgt = gl.exp2(m_i - gl.expand_dims(m_all_use, 0))  # [WN, NH]
+        l_tot = gl.sum(l_w * wgt, 0)  # [NH]
+        empty = l_tot == 0.0  # an empty split (past this sequence's end) writes lse -inf and zeros
+        inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_tot))
+        o = gl.sum(acc * gl.expand_dims(wgt * gl.expand_dims(inv, 0), 1), 0)  # [D, NH]
+        OL: gl.constexpr = o.type.layout
+        mrow = gl.arange(0, D, layout=gl.SliceLayout(1, OL))
+        dim_o = 16 * (mrow & 7) + 2 * (mrow >> 4) + ((mrow >> 3) & 1)
+        n_o = gl.arange(0, NH, layout=gl.SliceLayout(0, OL))
+        heads = h * GROUP + n_o
+        o_mask = gl.expand_dims(n_o < GROUP, 0) & gl.expand_dims(mrow >= 0, 1)
+        if not SPLIT:
+            o_ptr = out_ptr + gl.expand_dims((b * (H * GROUP) + heads).to(gl.int64) * D, 0) + gl.expand_dims(dim_o, 1)
+            gl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            part = (b * (H * GROUP) + heads).to(gl.int64) * num_splits + sp  # [NH]
+            gl.store(part_o_ptr + gl.expand_dims(part * D, 0) + gl.expand_dims(dim_o, 1), o, mask=o_mask)
+            LL: gl.constexpr = l_tot.type.layout
+            lse = gl.where(empty, float("-inf"), m_all + gl.log2(gl.where(empty, 1.0, l_tot)))
+            n_l = gl.arange(0, NH, layout=LL)
+            part_l = (b * (H * GROUP) + h * GROUP + n_l).to(gl.int64) * num_splits + sp
+            gl.store(part_lse_ptr + part_l, lse, mask=n_l < GROUP)
+
+
+def unsupported(query, k_pages, v_pages, formats, block_size: int) -> str | None:
+    """Why this kernel cannot run a decode (None: it can). Its scope: CUDA sm_80+, head_dim 128, K and V
+    groups of 32, 0 or 4 key outlier slots and none for values, at most 8 query heads per KV head,
+    pages of a multiple of the warp tile."""
+    import torch
+
+    if not AVAILABLE:
+        return "this Triton has no Gluon"
+    if query.device.type != "cuda" or paged.interpreting():
+        return "Gluon kernels run on CUDA only"
+    if torch.cuda.get_device_capability(query.device) < (8, 0):
+        return "mma.m16n8k16 needs sm_80+"
+    num_kv_heads, head_dim = k_pages.codes.shape[2], query.shape[-1]
+    if head_dim != 128:
+        return f"head_dim {head_dim} (needs 128)"
+    if formats[0].group(head_dim) != 32 or formats[1].group(head_dim) != 32:
+        return "groups other than 32"
+    if formats[1].outliers:
+        return "value outlier slots"
+    if formats[0].outliers not in (0, 4):
+        return "key outlier slots other than 0 or 4"
+    if query.shape[1] // num_kv_heads > N_HEADS:
+        return f"more than {N_HEADS} query heads per KV head"
+    if block_size % TW:
+        return f"block_size {block_size} not a multiple of {TW}"
+    return None
+
+
+class Launch:
+    """One decode's arguments for _decode_fp4_gluon_kernel, built once: programs_per_sm() compiles it
+    (cached) to size the splits from its registers, run() launches it."""
+
+    def __init__(self, query, k_pages, v_pages, block_tables, seq_lens, sm_scale_log2: float, k_outliers: int,
+                 maxnreg: int | None = None):
+        import torch
+
+        num_seqs, num_heads, _ = query.shape
+        _, bs, num_kv_heads, _ = k_pages.codes.shape
+        group = num_heads // num_kv_heads
+        # scratch for the query x sm_scale_log2 transposed (the kernel writes it: the key outlier slots'
+        # gathers read two heads at once there)
+        q_t = query
+        if k_outliers:
+            q_t = torch.empty(num_seqs, num_kv_heads, query.shape[2], group, dtype=torch.float32, device=query.device)
+        self.query, self.q_t = query, q_t
+        self.pages = (k_pages.codes, k_pages.scales.view(k_pages.codes.dtype), k_pages.scale_exp, k_pages.out_vals,
+                      k_pages.out_idx, v_pages.codes, v_pages.scales.view(v_pages.codes.dtype), v_pages.scale_exp)
+        self.rest = (block_tables, seq_lens, sm_scale_log2, query.stride(0), query.stride(1), block_tables.stride(0))
+        self.grid_hb = (num_kv_heads, num_seqs)
+        self.constexprs = dict(
+            H=num_kv_heads, GROUP=group, BS=bs, K_KO=k_outliers, TW=TW,
+            OFF64=max(k_pages.codes.numel(), v_pages.codes.numel()) >= 2 ** 31, **_layouts_cached(),
+            num_warps=W, **({"maxnreg": maxnreg} if maxnreg else {}))
+
+    def programs_per_sm(self) -> int:
+        """Programs of this kernel resident per SM, from its compiled register count (compiling it once
+        per configuration: it sets the split count, so the grid fills whole waves)."""
+        key = (self.query.device, self.query.dtype, tuple(sorted(self.constexprs.items())))
+        if key not in _PROGRAMS_PER_SM:
+            import torch
+
+            part = torch.empty(1, dtype=torch.float32, device=self.query.device)
+            kernel = _decode_fp4_gluon_kernel.warmup(
+                self.query, self.q_t, self.query, part, part, *self.pages, *self.rest, 128, 2, SPLIT=True,
+                grid=(1,), **self.constexprs)
+            kernel._init_handles()
+            regs = -(-kernel.n_regs // 8) * 8  # allocated in steps of 8 per thread
+            # Resident programs, but at most 4 for planning: whole waves of 5 x 132 slots made the split
+            # rule ask for many short splits (103 of 320 tokens for 70B at 32k, batch 32), up to 65%
+            # slower, and the 96-register variant that fits 5 was slower in every row measured
+            # (bench/RESULTS.md, "fp4 decode, third pass").
+            _PROGRAMS_PER_SM[key] = max(1, min(PLAN_PROGRAMS_PER_SM, 65536 // (regs * 32 * W)))
+            c = self.constexprs
+            REGISTERS[(c["GROUP"], c["K_KO"], c.get("maxnreg"))] = kernel.n_regs
+        return _PROGRAMS_PER_SM[key]
+
+    def run(self, out, part_o, part_lse, split_size: int, num_splits: int) -> None:
+        """Launch over (KV head, sequence, split); split_size a multiple of W * TW."""
+        _decode_fp4_gluon_kernel[(*self.grid_hb, num_splits)](
+            self.query, self.q_t, out, part_o, part_lse, *self.pages, *self.rest, split_size, num_splits,
+            SPLIT=num_splits > 1, **self.constexprs)
+
+
+PLAN_PROGRAMS_PER_SM = 4
+_PROGRAMS_PER_SM: dict = {}
+REGISTERS: dict = {}  # (query heads per KV head, key outlier slots, maxnreg) -> registers per thread
+_LAYOUTS: dict = {}
+
+
+def _layouts_cached() -> dict:
+    if not _LAYOUTS:
+        _LAYOUTS.update(layouts())
+    return _LAYOUTS

@@ -1,0 +1,103 @@
+"""The Gluon fp4 decode kernel (app/kernels/decode_fp4_gluon.py).
+
+Gluon kernels do not run under Triton's interpreter, so the default suite checks what needs no GPU:
+the kernel compiles for sm_90 with the installed Triton (which carries ptxas) to a main loop with no
+register spills, no shared memory and no barrier, and the 16 tensor-core MMAs per warp tile its
+design counts on; and `unsupported` says when a decode falls back to the Triton kernels.
+
+On a CUDA GPU (`TRITON_INTERPRET=0 python -m pytest tests/test_kernels_gluon.py`) it is checked against
+float32 attention over the dequantized pages and against the Triton fp4 kernel: odd lengths, GQA 1 to
+8, one split and many, with and without key outlier slots. bench/kernels.py runs the same checks in
+its device call. Bound as in test_kernels_decode.py: about one bf16 rounding, 1e-2.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from app.kernels import decode_fp4_gluon, paged
+from app.kernels.decode_attention import decode_attention, decode_attention_ref
+from app.kernels.fp4 import FP4Format
+from kernels_testing import DEFAULT_FP4, block_tables, keys_like_llama, rel_err
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+needs_gluon = pytest.mark.skipif(not decode_fp4_gluon.AVAILABLE, reason="this Triton has no Gluon")
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or paged.interpreting(),
+                            reason="needs a CUDA GPU and TRITON_INTERPRET=0")
+
+
+@needs_gluon
+def test_compiles_for_hopper_without_spills_or_shared_memory_in_the_loop():
+    # in a subprocess: Gluon compiles Triton's reductions, which TRITON_INTERPRET=1 (conftest.py)
+    # turns into interpreter functions in this process
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, os.path.join(REPO, "bench", "kernel_sass.py"), "--only", "Gluon", "--json"],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert {r["model"] for r in rows} == {"8B", "70B-TP8"}
+    for r in rows:
+        ops = r["ops"]
+        assert r["stack"] == 0, f"register spills: {r}"
+        assert not {"LDS", "STS", "BAR", "LDSM"} & set(ops), f"shared memory or a barrier in the loop: {r}"
+        # 8 k-steps of S^T = K Q^T and 8 row tiles of O^T += V^T P^T per 16-token warp tile
+        assert ops["HMMA"] == 16, r
+        assert r["per_token_head"] < 45, r
+
+
+def test_unsupported_names_the_reason():
+    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+    k, v = (paged.quantize_pages(torch.zeros(1, 16, 2, 128), "fp4", f) for f in DEFAULT_FP4)
+    why = decode_fp4_gluon.unsupported(q, k, v, DEFAULT_FP4, 16)
+    assert why in ("Gluon kernels run on CUDA only", "this Triton has no Gluon")
+
+
+def _pages(seq_lens, kv_heads, block_size, formats, seed):
+    table, num_blocks = block_tables(seq_lens, block_size, seed)
+    gen = torch.Generator().manual_seed(seed)
+    k = keys_like_llama(num_blocks, block_size, kv_heads, 128, gen=gen)
+    v = torch.randn(num_blocks, block_size, kv_heads, 128, generator=gen)
+    kp, vp = (paged.quantize_pages(x, "fp4", f) for x, f in zip((k, v), formats))
+    cuda = [t.cuda() for t in (*kp, *vp)]
+    return table.cuda(), type(kp)(*cuda[:5]), type(vp)(*cuda[5:])
+
+
+@on_gpu
+@needs_gluon
+@pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 1), (2, 2)])
+@pytest.mark.parametrize("key_outliers", [4, 0])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_matches_reference_on_gpu(kv_heads, group, key_outliers, num_splits):
+    formats = (FP4Format(group_size=32, outliers=key_outliers), FP4Format(group_size=32))
+    seq_lens = [1, 15, 16, 17, 63, 64, 65, 1025, 1027, 4099]
+    table, kp, vp = _pages(seq_lens, kv_heads, 16, formats, seed=kv_heads + group)
+    assert decode_fp4_gluon.unsupported(torch.zeros(1, kv_heads * group, 128, device="cuda"), kp, vp, formats,
+                                        16) is None
+    query = torch.randn(len(seq_lens), kv_heads * group, 128, device="cuda").bfloat16()
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out = torch.full_like(query, float("nan"))
+    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), formats, num_splits=num_splits,
+                     out=out, gluon=True)
+    ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
+    assert rel_err(out, ref) < 1e-2
+    triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), formats, fp4_kernel=True)
+    assert rel_err(out, triton_out) < 1e-2
+
+
+@on_gpu
+@needs_gluon
+def test_falls_back_outside_its_scope_on_gpu():
+    formats = (FP4Format(group_size=16, outliers=1), FP4Format(group_size=16))
+    table, kp, vp = _pages([100], 2, 16, formats, seed=0)
+    query = torch.randn(1, 8, 128, device="cuda").bfloat16()
+    assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) == "groups other than 32"
+    with pytest.raises(AssertionError, match="groups other than 32"):
+        decode_attention(query, kp, vp, table, torch.tensor([100], device="cuda"), 0.1, 100, formats, gluon=True)
+    out = decode_attention(query, kp, vp, table, torch.tensor([100], device="cuda"), 0.1, 100, formats)
+    ref = decode_attention_ref(query, kp, vp, table, torch.tensor([100], device="cuda"), 0.1, formats)
+    assert rel_err(out, ref) < 1e-2
