@@ -160,7 +160,11 @@ def checks(results: dict) -> None:
             variants = {"auto": {}, "one_split": {"num_splits": 1}, "precise": {"precise_pv": True}}
             if kind == "fp4":
                 variants.update({"plain_triton": {"asm": False}, "generic_kernel": {"fp4_kernel": False},
-                                 "regs_uncapped": {"maxnreg": 0}})
+                                 "triton_fp4_kernel": {"fp4_kernel": True},
+                                 "triton_fp4_regs_uncapped": {"fp4_kernel": True, "maxnreg": 0},
+                                 "gluon_regs96": {"maxnreg": 96},
+                                 "gluon_one_split": {"num_splits": 1},
+                                 "gluon_many_splits": {"num_splits": 37}})
             for vname, kw in variants.items():
                 o = torch.full_like(q, float("nan"))
                 decode_attention(q, kp, vp, table, sl, HEAD_DIM ** -0.5, max(lens), fmts, out=o, **kw)
@@ -198,8 +202,8 @@ def best_sdpa(q4, k, v) -> tuple[float, str]:
     return best
 
 
-def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool) -> None:
-    rows = []
+def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool, save=lambda: None) -> None:
+    rows = results["decode"] = []
     gen = torch.Generator().manual_seed(0)
     for model, (hq, hk) in MODELS.items():
         for ctx in contexts:
@@ -230,6 +234,14 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool)
                 # fp4
                 kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
                 row["fp4_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
+                from app.kernels import decode_fp4_gluon
+
+                pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers).programs_per_sm()
+                row["fp4_gluon_programs_per_sm"] = pps
+                row["fp4_num_splits"] = num_splits_for(batch, hk, ctx, DEV, 64, pps, whole_waves=True)
+                # the Triton fp4 kernel (the default before decode_fp4_gluon) on the same pages
+                row["fp4_triton_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
+                                                                      fp4_kernel=True))
                 # the generic kernel on the same pages (the fp4 path before _decode_fp4_kernel)
                 row["fp4_generic_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
                                                                        fp4_kernel=False))
@@ -238,9 +250,12 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool)
                         "decode_fp4_host_us_per_call": host_us(
                             lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS)),
                         "decode_fp4_graph_us": 1e3 * row["fp4_ms"]}
-                if tune and ctx in (8192, 32768) and batch in (1, 32):
-                    variants = dict(TUNE_VARIANTS, splits_2_per_sm={
-                        "num_splits": num_splits_for(batch, hk, ctx, DEV, 128, programs_per_sm=2)})
+                if tune and ctx in (8192, 32768) and batch in (1, 8, 32):
+                    variants = dict(TUNE_VARIANTS)
+                    for pps in (2, 3, 4, 5, 6, 8):  # the Gluon kernel's split rule for other program counts per SM
+                        variants[f"gluon_splits_{pps}_per_sm"] = {"num_splits": num_splits_for(
+                            batch, hk, ctx, DEV, 64, programs_per_sm=pps, whole_waves=True)}
+
                     for name, kw in variants.items():
                         row[f"fp4_{name}_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
                                                                                FORMATS, **kw))
@@ -253,22 +268,27 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool)
                 torch.cuda.empty_cache()
                 row["fp4_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp4_ms"]
                 row["fp4_speedup_vs_generic"] = row["fp4_generic_ms"] / row["fp4_ms"]
+                row["fp4_speedup_vs_triton"] = row["fp4_triton_ms"] / row["fp4_ms"]
                 row["bf16_paged_vs_sdpa"] = row["bf16_paged_ms"] / row["sdpa_ms"]
                 row["fp4_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP4_BYTES / (row["fp4_ms"] * 1e-3) / copy_bw
                 row["sdpa_eff_bw_pct_copy"] = 100 * kv_bytes / (row["sdpa_ms"] * 1e-3) / copy_bw
                 row["bf16_paged_eff_bw_pct_copy"] = 100 * kv_bytes / (row["bf16_paged_ms"] * 1e-3) / copy_bw
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    results["decode"] = rows
+                save()  # a run cut short keeps the rows it measured
+    from app.kernels import decode_fp4_gluon
+
+    results["gluon_registers"] = {f"group {g} key slots {k} maxnreg {r}": n
+                                  for (g, k, r), n in decode_fp4_gluon.REGISTERS.items()}
+    print("gluon registers:", results["gluon_registers"], flush=True)
 
 
-TUNE_VARIANTS = {  # the fp4 default: block_n 128, 4 warps, 128 registers, stages 1 or 2, PTX unpack
-    "regs_uncapped": {"maxnreg": 0},
-    "stages1": {"num_stages": 1},
-    "stages2": {"num_stages": 2},
-    "bn64": {"block_n": 64},
-    "precise": {"precise_pv": True},
-    "plain": {"asm": False},
+TUNE_VARIANTS = {  # the fp4 default: the Gluon kernel, 16-token warp tiles; the rest: the Triton fp4 kernel
+    "gluon_regs96": {"maxnreg": 96},
+    "gluon_regs112": {"maxnreg": 112},
+    "triton_regs_uncapped": {"fp4_kernel": True, "maxnreg": 0},
+    "triton_stages2": {"fp4_kernel": True, "num_stages": 2},
+    "triton_precise": {"precise_pv": True},
 }
 
 
@@ -391,11 +411,17 @@ def main() -> None:
                "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")}
     results["copy_bw_GBps"] = copy_bandwidth() / 1e9
     print(json.dumps(results), flush=True)
+
+    def save() -> None:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+
     sections = {
         "checks": lambda: checks(results),
         "decode": lambda: decode_section(results, results["copy_bw_GBps"] * 1e9,
                                          [int(c) for c in args.contexts.split(",")],
-                                         [int(b) for b in args.batches.split(",")], args.tune),
+                                         [int(b) for b in args.batches.split(",")], args.tune, save),
         "store": lambda: store_section(results),
         "prefill": lambda: prefill_section(results),
         "smoke": lambda: smoke_section(results),
@@ -426,12 +452,12 @@ def print_tables(results: dict) -> None:
     print(f"\n{results['device']}  copy {results['copy_bw_GBps']:.0f} GB/s  torch {results['torch']}  "
           f"triton {results['triton']}  {results['wall_s']:.0f} s")
     if "decode" in results:
-        print("model ctx batch | sdpa_ms (backend) bf16_paged_ms fp4_ms fp4_generic_ms | fp4 x sdpa | "
-              "fp4 x generic | bf16paged/sdpa | fp4 %copy sdpa %copy")
+        print("model ctx batch | sdpa_ms (backend) bf16_paged_ms fp4_ms fp4_triton_ms fp4_generic_ms | fp4 x sdpa | "
+              "fp4 x triton | fp4 x generic | bf16paged/sdpa | fp4 %copy sdpa %copy")
         for r in results["decode"]:
             print(f"{r['model']} {r['ctx']} {r['batch']} | {r['sdpa_ms']:.4f} ({r['sdpa_backend'][:5]}) "
-                  f"{r['bf16_paged_ms']:.4f} {r['fp4_ms']:.4f} {r['fp4_generic_ms']:.4f} | "
-                  f"{r['fp4_speedup_vs_sdpa']:.2f} | {r['fp4_speedup_vs_generic']:.2f} | "
+                  f"{r['bf16_paged_ms']:.4f} {r['fp4_ms']:.4f} {r['fp4_triton_ms']:.4f} {r['fp4_generic_ms']:.4f} | "
+                  f"{r['fp4_speedup_vs_sdpa']:.2f} | {r['fp4_speedup_vs_triton']:.2f} | {r['fp4_speedup_vs_generic']:.2f} | "
                   f"{r['bf16_paged_vs_sdpa']:.2f} | {r['fp4_eff_bw_pct_copy']:.0f} {r['sdpa_eff_bw_pct_copy']:.0f}")
 
 

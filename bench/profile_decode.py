@@ -1,0 +1,47 @@
+"""One decode configuration, called a few times, for a profiler (ncu) to look at.
+
+    ncu --kernel-name regex:decode --launch-skip 2 --launch-count 1 \
+        --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \
+        python3 bench/profile_decode.py --model 8B --ctx 32768 --batch 32 [--kernel gluon|triton]
+
+Pages are random valid fp4 encodings in the engine's default format (bench/kernels.py's), shuffled
+over the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kernels import FORMATS, HEAD_DIM, MODELS, random_fp4_pages, shuffled_tables  # noqa: E402
+
+from app.kernels.decode_attention import decode_attention  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="8B", choices=list(MODELS))
+    ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--kernel", default="gluon", choices=["gluon", "triton"])
+    ap.add_argument("--calls", type=int, default=4)
+    args = ap.parse_args()
+    hq, hk = MODELS[args.model]
+    table, nb = shuffled_tables(args.batch, args.ctx, torch.Generator().manual_seed(0))
+    kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
+    q = torch.randn(args.batch, hq, HEAD_DIM, device="cuda").bfloat16()
+    sl = torch.full((args.batch,), args.ctx, dtype=torch.int32, device="cuda")
+    kw = {"fp4_kernel": True} if args.kernel == "triton" else {"gluon": True}
+    for _ in range(args.calls):
+        decode_attention(q, kp, vp, table, sl, HEAD_DIM ** -0.5, args.ctx, FORMATS, **kw)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
