@@ -51,10 +51,25 @@ def test_compiles_for_hopper_without_spills_or_shared_memory_in_the_loop():
 
 
 def test_unsupported_names_the_reason():
-    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
-    k, v = (paged.quantize_pages(torch.zeros(1, 16, 2, 128), "fp4", f) for f in DEFAULT_FP4)
-    why = decode_fp4_gluon.unsupported(q, k, v, DEFAULT_FP4, 16)
-    assert why in ("Gluon kernels run on CUDA only", "this Triton has no Gluon")
+    def why(head_dim=128, heads=8, kv_heads=2, formats=DEFAULT_FP4, block_size=16, offset=0):
+        q = torch.zeros(1, heads, head_dim, dtype=torch.bfloat16)
+        k, v = (paged.quantize_pages(torch.zeros(1, block_size, kv_heads, head_dim), "fp4", f) for f in formats)
+        if offset:  # codes starting 2 bytes into their storage
+            k = type(k)(torch.zeros(k.codes.numel() + offset, dtype=torch.uint8)[offset:].view(k.codes.shape),
+                        *k[1:])
+        return decode_fp4_gluon.unsupported(q, k, v, formats, block_size)
+
+    assert why(head_dim=64) == "head_dim 64 (needs 128)"
+    assert why(formats=(FP4Format(group_size=16, outliers=4), FP4Format(group_size=32))) == "groups other than 32"
+    assert why(formats=(FP4Format(group_size=32, outliers=4), FP4Format(group_size=32, outliers=1))) == (
+        "value outlier slots")
+    assert why(formats=(FP4Format(group_size=32, outliers=2), FP4Format(group_size=32))) == (
+        "key outlier slots other than 0 or 4")
+    assert why(heads=32) == "more than 8 query heads per KV head"
+    assert why(block_size=8) == "block_size 8 not a multiple of 16"
+    assert why(offset=2).startswith("page arrays not 4-byte aligned")
+    # in scope: on this CPU (or a Triton without Gluon) it still says no
+    assert why() in ("Gluon kernels run on CUDA only", "this Triton has no Gluon")
 
 
 def _pages(seq_lens, kv_heads, block_size, formats, seed):

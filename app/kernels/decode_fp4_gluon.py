@@ -385,17 +385,11 @@ if AVAILABLE:
 
 
 def unsupported(query, k_pages, v_pages, formats, block_size: int) -> str | None:
-    """Why this kernel cannot run a decode (None: it can). Its scope: CUDA sm_80+, head_dim 128, K and V
-    groups of 32, 0 or 4 key outlier slots and none for values, at most 8 query heads per KV head,
-    pages of a multiple of the warp tile."""
+    """Why this kernel cannot run a decode (None: it can). Its scope: head_dim 128, K and V groups of
+    32, 0 or 4 key outlier slots and none for values, at most 8 query heads per KV head, pages of a
+    multiple of the warp tile, page arrays aligned to 4 bytes; Gluon, on CUDA sm_80+."""
     import torch
 
-    if not AVAILABLE:
-        return "this Triton has no Gluon"
-    if query.device.type != "cuda" or paged.interpreting():
-        return "Gluon kernels run on CUDA only"
-    if torch.cuda.get_device_capability(query.device) < (8, 0):
-        return "mma.m16n8k16 needs sm_80+"
     num_kv_heads, head_dim = k_pages.codes.shape[2], query.shape[-1]
     if head_dim != 128:
         return f"head_dim {head_dim} (needs 128)"
@@ -409,6 +403,14 @@ def unsupported(query, k_pages, v_pages, formats, block_size: int) -> str | None
         return f"more than {N_HEADS} query heads per KV head"
     if block_size % TW:
         return f"block_size {block_size} not a multiple of {TW}"
+    if any(t.data_ptr() % 4 for t in (k_pages.codes, v_pages.codes, k_pages.out_vals, k_pages.out_idx)):
+        return "page arrays not 4-byte aligned (codes and outlier slots are read as 32-bit words)"
+    if not AVAILABLE:
+        return "this Triton has no Gluon"
+    if query.device.type != "cuda" or paged.interpreting():
+        return "Gluon kernels run on CUDA only"
+    if torch.cuda.get_device_capability(query.device) < (8, 0):
+        return "mma.m16n8k16 needs sm_80+"
     return None
 
 
