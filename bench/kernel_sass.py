@@ -104,6 +104,8 @@ def main() -> None:
     cases = [
         ("Gluon fp4 kernel (the default)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig, gluon_args, 4, 1,
          None, 64),
+        ("Gluon fp4 kernel, no key slots, one split", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
+         dict(gluon_args, K_KO=0, SPLIT=False), 4, 1, None, 64),
         ("Triton fp4 kernel (128 regs, 1 stage)", _decode_fp4_kernel, SIG, fp4_args, 4, 1, 128, 128),
         ("fp4 kernel, registers uncapped, 2 stages", _decode_fp4_kernel, SIG, fp4_args, 4, 2, None, 128),
         ("generic kernel on fp4 pages (before)", _decode_kernel, SIG, generic_fp4, 4, 2, None, 128),
@@ -116,7 +118,7 @@ def main() -> None:
                     continue
                 const = dict(common, H=heads, GROUP=group, GP=16, BLOCK_N=block_n, **extra)
                 if fn.is_gluon():  # its own parameters only
-                    const = dict(H=heads, GROUP=group, BS=16, SPLIT=True, **extra)
+                    const = dict({"SPLIT": True}, H=heads, GROUP=group, BS=16, **extra)
                 cubin = compile_kernel(fn, sig, const, warps, stages, maxnreg, tmp)
                 res, ops = sass_loop(cubin, bin_dir)
                 regs = re.search(r"REG:(\d+)", res).group(1)

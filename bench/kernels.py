@@ -15,7 +15,7 @@
    greedy tokens with the kernels vs the torch path (Llama-3.1-8B shapes, dummy weights).
 Timings are triton.testing.do_bench medians (ms) of a CUDA graph holding one call; host launch
 cost is timed apart. Pages are shuffled over the cache; timed pages hold random bytes of valid
-encodings (never zeros). --tune adds decode variants at 8k/32k x batch 1/32. Each section's
+encodings (never zeros). --tune adds decode variants at 8k/32k x batch 1/8/32. Each section's
 results are written to --json as it ends, so a run cut short keeps what it measured.
 """
 
@@ -401,7 +401,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--contexts", default="1024,8192,32768,65536")
     ap.add_argument("--batches", default="1,8,32,128")
-    ap.add_argument("--tune", action="store_true", help="also time decode variants (block_n, warps, ...)")
+    ap.add_argument("--tune", action="store_true",
+                    help="also time decode variants (split rules, register caps, Triton kernel options)")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: checks,decode,store,prefill,smoke")
     args = ap.parse_args()
     skip = set(args.skip.split(",")) - {""}

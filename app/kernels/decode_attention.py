@@ -285,16 +285,18 @@ def decode_attention(
     fp4_kernel: bool | None = None,
     gluon: bool | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] query dtype
-    """Launcher. fp4 K and V pages (the engine's fp4 cache) with head_dim >= 128 run
-    _decode_fp4_kernel, every other combination _decode_kernel. block_n: tokens per tile (None: 128
-    for fp4 pages, 64 otherwise, the fastest in bench/RESULTS.md); num_stages: software-pipeline depth (None: 2, and for fp4 pages 1
-    once batch x KV heads >= 8); precise_pv: the PV product from p split into two bf16 terms
-    (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton (the
-    benchmark compares both); maxnreg: the fp4 kernel's register cap on CUDA (None: 128 at head_dim
-    128, none otherwise; 0: none); fp4_kernel: True/False forces fp4 pages through
-    _decode_fp4_kernel/_decode_kernel (tests and the benchmark's baseline), None picks; gluon: fp4
-    pages through decode_fp4_gluon (None: wherever its scope allows, False: never, True: required;
-    maxnreg caps its registers too)."""
+    """Launcher. Which kernel: fp4 K and V pages in decode_fp4_gluon's scope (the engine's default fp4
+    cache on CUDA: `decode_fp4_gluon.unsupported` lists it) run the Gluon kernel; other fp4 pages
+    with head_dim >= 128 run _decode_fp4_kernel; every other combination runs _decode_kernel.
+    gluon: True requires the Gluon kernel (ValueError naming why it cannot run), False never uses
+    it; fp4_kernel: True/False forces fp4 pages through _decode_fp4_kernel/_decode_kernel (tests and
+    the benchmark's baselines); precise_pv and asm=False exist only in the Triton kernels and select
+    them. Triton kernels only: block_n: tokens per tile (None: 128 for fp4 pages, 64 otherwise, the
+    fastest in bench/RESULTS.md); num_warps; num_stages: software-pipeline depth (None: 2, and for
+    fp4 pages 1 once batch x KV heads >= 8); precise_pv: the PV product from p split into two bf16
+    terms (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton.
+    maxnreg: a register cap on CUDA (None: 128 for _decode_fp4_kernel at head_dim 128, none for the
+    Gluon kernel; 0: none)."""
     num_seqs, num_heads, head_dim = query.shape
     # The fp4 kernel where it measured faster (bench/RESULTS.md): head_dim 128, capped at 128
     # registers, and 256, uncapped (capped it spills); at 64 the generic kernel was 1.2-1.6x faster.
@@ -317,16 +319,17 @@ def decode_attention(
     assert block_tables.dtype in (torch.int32, torch.int64) and seq_lens.shape == (num_seqs,)
     assert paged.is_pow2(block_n) and block_n >= 16, f"block_n must be a power of two >= 16 (got {block_n})"
     group = num_heads // num_kv_heads
-    # the Gluon kernel wherever its scope allows, unless a Triton kernel is asked for: fp4_kernel=True,
-    # precise_pv (not implemented there) or the plain-Triton unpack (asm=False)
-    use_gluon = both_fp4 and gluon is not False and fp4_kernel is not True and not precise_pv and asm is not False
-    assert use_gluon or not gluon, "gluon=True needs fp4 K and V pages, and no fp4_kernel=True, precise_pv or asm=False"
-    if use_gluon:
+    fp4_pages = paged.page_kind(k_pages) == paged.page_kind(v_pages) == paged.FP4
+    why = "K and V pages are not both fp4"
+    if fp4_pages:
         why = decode_fp4_gluon.unsupported(query, k_pages, v_pages, formats, bs)
-        assert why is None or not gluon, f"the Gluon fp4 kernel cannot run this decode: {why}"
-        if why is None:
-            return _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats,
-                                 num_splits, out, maxnreg)
+        if why is None and (fp4_kernel is not None or precise_pv or asm is False):
+            why = "a Triton kernel was asked for (fp4_kernel, precise_pv or asm=False)"
+    if gluon and why is not None:
+        raise ValueError(f"the Gluon fp4 kernel cannot run this decode: {why}")
+    if gluon is not False and why is None:
+        return _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats,
+                             num_splits, out, maxnreg)
     if num_splits is None:
         num_splits = num_splits_for(num_seqs, num_kv_heads, max_seq_len, query.device, block_n,
                                     max(1, 65536 // (cap * 32 * num_warps)) if capped else 2, whole_waves=both_fp4)

@@ -21,8 +21,8 @@ layout-level language), chosen so that nothing moves between threads except the 
   softmax (max, sum, O^T); the four states merge once at the end. The loop has no barrier and no
   shared memory; the probabilities change from the MMA result layout to the operand layout within
   a warp (shuffles). Whole tiles run without masks, the last one with them.
-- Pages. A warp tile's 16 tokens share a page, so each warp reads the block table once per tile
-  and addresses its tokens as base row + r x num_kv_heads.
+- Pages. A warp tile's 16 tokens share a page, so a thread reads one block-table entry per tile
+  and layout (three: K, scores, V) and addresses its tokens as base row + r x num_kv_heads.
 
 Scope: head_dim 128, K and V groups of 32, 0 or 4 key outlier slots and none for values (the
 engine's default format), at most 8 query heads per KV head, pages of a multiple of 16 tokens;
@@ -185,7 +185,7 @@ if AVAILABLE:
         """s [W, TW, NH] + sum over the 4 slots of out_val x q[head, out_idx] x sm_scale_log2, in float32.
         iw: the slots' 4 index bytes as one word, vw0/vw1: their bf16 values two per word; qt_cols: the
         query x sm_scale_log2 transposed [D, GROUP] in float32 at this thread's columns, so one 64-bit
-        load gathers two heads."""
+        load gathers two heads (two 32-bit loads when GROUP is odd)."""
         if MASKED:
             m3 = col_mask & gl.expand_dims(mask, 2)
         else:
@@ -408,7 +408,7 @@ def unsupported(query, k_pages, v_pages, formats, block_size: int) -> str | None
     if not AVAILABLE:
         return "this Triton has no Gluon"
     if query.device.type != "cuda" or paged.interpreting():
-        return "Gluon kernels run on CUDA only"
+        return "Gluon kernels run on CUDA, not on CPU or under TRITON_INTERPRET"
     if torch.cuda.get_device_capability(query.device) < (8, 0):
         return "mma.m16n8k16 needs sm_80+"
     return None
@@ -443,7 +443,8 @@ class Launch:
     def programs_per_sm(self) -> int:
         """Programs of this kernel resident per SM, from its compiled register count (compiling it once
         per configuration: it sets the split count, so the grid fills whole waves)."""
-        key = (self.query.device, self.query.dtype, tuple(sorted(self.constexprs.items())))
+        key = (self.query.device, self.query.dtype, self.rest[0].dtype, self.rest[1].dtype,
+               tuple(sorted(self.constexprs.items())))
         if key not in _PROGRAMS_PER_SM:
             import torch
 
