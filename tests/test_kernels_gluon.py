@@ -140,6 +140,21 @@ def test_default_route_is_gluon_with_engine_inputs_on_gpu():
 
 @on_gpu
 @needs_gluon
+def test_64_bit_offsets_on_gpu(monkeypatch):
+    """The int64 offset path that page arrays of 2 GiB or more take, forced on small pages."""
+    monkeypatch.setattr(decode_fp4_gluon, "FORCE_OFF64", True)
+    table, kp, vp = _pages(SEQ_LENS, 8, 16, DEFAULT_FP4, seed=5)
+    query = torch.randn(len(SEQ_LENS), 32, 128, device="cuda").bfloat16()
+    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
+    for num_splits in (None, 1):
+        out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), DEFAULT_FP4, gluon=True,
+                               num_splits=num_splits)
+        ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
+        assert _worst_rel_err(out, ref) < 1e-2
+
+
+@on_gpu
+@needs_gluon
 def test_falls_back_outside_its_scope_on_gpu():
     formats = (FP4Format(group_size=16, outliers=1), FP4Format(group_size=16))
     table, kp, vp = _pages([100], 2, 16, formats, seed=0)

@@ -437,7 +437,7 @@ class Launch:
         self.grid_hb = (num_kv_heads, num_seqs)
         self.constexprs = dict(
             H=num_kv_heads, GROUP=group, BS=bs, K_KO=k_outliers, TW=TW,
-            OFF64=max(k_pages.codes.numel(), v_pages.codes.numel()) >= 2 ** 31, **_layouts_cached(),
+            OFF64=FORCE_OFF64 or max(k_pages.codes.numel(), v_pages.codes.numel()) >= 2 ** 31, **_layouts_cached(),
             num_warps=W, **({"maxnreg": maxnreg} if maxnreg else {}))
 
     def programs_per_sm(self) -> int:
@@ -471,6 +471,7 @@ class Launch:
 
 
 PLAN_PROGRAMS_PER_SM = 4
+FORCE_OFF64 = False  # 64-bit page offsets even for small caches (tests: the path caches of 2 GiB+ per array take)
 _PROGRAMS_PER_SM: dict = {}
 REGISTERS: dict = {}  # (query heads per KV head, key outlier slots, maxnreg) -> registers per thread
 _LAYOUTS: dict = {}
