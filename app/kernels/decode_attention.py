@@ -40,6 +40,18 @@ MIN_SPLIT_TOKENS = 256  # fewer tokens per split than this and the merge costs m
 
 
 @triton.jit
+def _program_split(seq_lens_ptr, split_size):
+    """This program's KV head, sequence and split, and the split's token range [start, end) (empty
+    past the sequence's end); the grid is (KV heads, sequences, splits)."""
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = sp * split_size
+    return h, b, sp, start, tl.minimum(seq_len, start + split_size)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     k0, k1, k2, k3, k4, v0, v1, v2, v3, v4,
@@ -50,12 +62,7 @@ def _decode_kernel(
     V_KIND: tl.constexpr, V_G: tl.constexpr, V_KO: tl.constexpr,
     DT: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISE: tl.constexpr, ASM: tl.constexpr,
 ):
-    h = tl.program_id(0)
-    b = tl.program_id(1)
-    sp = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    start = sp * split_size
-    end = tl.minimum(seq_len, start + split_size)
+    h, b, sp, start, end = _program_split(seq_lens_ptr, split_size)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     g_mask = g < GROUP
@@ -109,12 +116,7 @@ def _decode_fp4_kernel(
     the PV product runs transposed, O^T [D/2, GP] = V^T P^T, which puts the freshly unpacked V tile
     in the tensor cores' register operand; key outliers add q[idx] * val to the scores, gathered
     once per real query head rather than per padded row."""
-    h = tl.program_id(0)
-    b = tl.program_id(1)
-    sp = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    start = sp * split_size
-    end = tl.minimum(seq_len, start + split_size)
+    h, b, sp, start, end = _program_split(seq_lens_ptr, split_size)
     DH: tl.constexpr = D // 2
     g = tl.arange(0, GP)
     i = tl.arange(0, DH)
@@ -300,8 +302,8 @@ def decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     # The fp4 kernel where it measured faster (bench/RESULTS.md): head_dim 128, capped at 128
     # registers, and 256, uncapped (capped it spills); at 64 the generic kernel was 1.2-1.6x faster.
-    both_fp4 = paged.page_kind(k_pages) == paged.page_kind(v_pages) == paged.FP4 and (
-        fp4_kernel or (fp4_kernel is None and head_dim >= 128))
+    fp4_pages = paged.page_kind(k_pages) == paged.page_kind(v_pages) == paged.FP4
+    both_fp4 = fp4_pages and (fp4_kernel or (fp4_kernel is None and head_dim >= 128))
     cap = (128 if head_dim == 128 else 0) if maxnreg is None else maxnreg
     capped = both_fp4 and cap > 0 and not paged.interpreting()
     if block_n is None:
@@ -319,7 +321,6 @@ def decode_attention(
     assert block_tables.dtype in (torch.int32, torch.int64) and seq_lens.shape == (num_seqs,)
     assert paged.is_pow2(block_n) and block_n >= 16, f"block_n must be a power of two >= 16 (got {block_n})"
     group = num_heads // num_kv_heads
-    fp4_pages = paged.page_kind(k_pages) == paged.page_kind(v_pages) == paged.FP4
     why = "K and V pages are not both fp4"
     if fp4_pages:
         why = decode_fp4_gluon.unsupported(query, k_pages, v_pages, formats, bs)

@@ -206,6 +206,12 @@ if AVAILABLE:
         return s
 
     @gluon.jit
+    def _pow2_scale(e):
+        """paged.pow2_scale in Gluon (which cannot call Triton's jit functions): second-level exponent
+        bits -> 2^(scale_exp - 127 + 8), the factor the unpacked tiles leave out."""
+        return ((gl.minimum(e, 246) + 8) << 23).to(gl.float32, bitcast=True)
+
+    @gluon.jit
     def _masked_load(ptr, mask, MASKED: gl.constexpr):
         if MASKED:
             return gl.load(ptr, mask=mask, other=0)
@@ -235,7 +241,7 @@ if AVAILABLE:
         ek = _masked_load(k2 + rows_s, ms, MASKED).to(gl.int32)
         ka = gl.convert_layout(_unpack_k(kc, bf16_scales(ks, ks)), A_OP, assert_trivial=True)
         s = mma_v2(ka, qt, gl.zeros_like(l_i))
-        fk = ((gl.minimum(ek, 246) + 8) << 23).to(gl.float32, bitcast=True) * sm_scale_log2
+        fk = _pow2_scale(ek) * sm_scale_log2
         s = s * gl.expand_dims(fk, 2)
         if K_KO == 4:
             iw = _masked_load((k4 + rows_s * 4).to(gl.pointer_type(gl.int32)), ms, MASKED)
@@ -254,7 +260,7 @@ if AVAILABLE:
         p = gl.exp2(s - gl.expand_dims(m_use, 1))
         l_i = l_i * gl.expand_dims(alpha, 1) + p
         ev = _masked_load(v2 + rows_s, ms, MASKED).to(gl.int32)
-        fv = ((gl.minimum(ev, 246) + 8) << 23).to(gl.float32, bitcast=True)
+        fv = _pow2_scale(ev)
         pt = gl.convert_layout((p * gl.expand_dims(fv, 2)).to(gl.bfloat16), B_OP)
         # V -> O^T += V^T P^T; V^T's columns are token pairs (2 pair, 2 pair + 1)
         base_v = _tile_base(bt_row, n0 + TW * w_v, end, BS, H, h, OFF64, MASKED)  # [W, 1, 1]
