@@ -3,13 +3,13 @@
     python bench/kernel_sass.py [--triton-path DIR] [--only Gluon] [--json]
 
 Triton compiles for a target it is given, and its wheel carries ptxas and cuobjdump, so the
-machine code of a kernel can be read without a GPU (Gluon kernels too). For each decode kernel and shape this prints
-registers and stack (spill) bytes per thread and the instructions of the main loop (the largest
-backward branch), per thread and per (token, KV head): loop instructions x warps / tokens per tile,
-the figure to hold against the ~36 warp instructions per (token, KV head) that streaming fp4's 150
-bytes at the copy rate leaves (4 issue slots per cycle per SM, bench/RESULTS.md). Compile with the
-Triton the GPU machine runs (3.6 there: pip install --target DIR triton==3.6.0, then
---triton-path DIR); other versions give other code.
+machine code of a kernel can be read without a GPU (Gluon kernels too). For each decode kernel
+and shape this prints registers and stack (spill) bytes per thread and the instructions of the
+main loop (the largest backward branch), per thread and per (token, KV head): loop instructions x
+warps / tokens per tile, the figure to hold against the ~36 warp instructions per (token, KV head)
+that streaming fp4's 150 bytes at the copy rate leaves (4 issue slots per cycle per SM,
+bench/RESULTS.md). Compile with the Triton the GPU machine runs (3.6 there: pip install --target
+DIR triton==3.6.0, then --triton-path DIR); other versions give other code.
 """
 
 from __future__ import annotations
@@ -98,9 +98,9 @@ def main() -> None:
     generic_fp4 = {"K_KIND": 2, "K_G": 32, "K_KO": 4, "V_KIND": 2, "V_G": 32, "V_KO": 0}
     dense = {"K_KIND": 0, "K_G": 1, "K_KO": 0, "V_KIND": 0, "V_G": 1, "V_KO": 0}
     dense_sig = dict(SIG, **{k: "*bf16" for k in PAGE_SIG})
-    # (name, kernel, signature, constexprs, warps, stages, maxnreg, tokens per tile)
     gluon_sig = dict(SIG, qt_ptr="*fp32")
     gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, **decode_fp4_gluon.layouts()}
+    # (name, kernel, signature, constexprs, warps, stages, maxnreg, tokens per tile)
     cases = [
         ("Gluon fp4 kernel (the default)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig, gluon_args, 4, 1,
          None, 64),

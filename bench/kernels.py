@@ -8,9 +8,9 @@
    against plain Triton;
 3. decode: fp4 pages vs torch SDPA bf16 on contiguous K/V (enable_gqa, fastest backend) vs our bf16
    paged kernel, Llama-3.1-8B per GPU (32 q heads, 8 KV heads) and 70B at TP=8 (8 q heads, 1 KV
-   head), head_dim 128, contexts 1k-64k, batch 1-128; effective bandwidth = KV bytes / time; the
-   fp4 pages also through the generic kernel (fp4_kernel=False: the fp4 path before
-   _decode_fp4_kernel), side by side;
+   head), head_dim 128, contexts 1k-64k, batch 1-128; effective bandwidth = KV bytes / time; fp4
+   runs the default (the Gluon kernel on this cache) and, on the same pages, the Triton fp4 kernel
+   (fp4_kernel=True) and the generic kernel (fp4_kernel=False), side by side;
 4. store_kv cost per token; 5. prefill TFLOP/s against SDPA bf16 (causal); 6. the engine smoke:
    greedy tokens with the kernels vs the torch path (Llama-3.1-8B shapes, dummy weights).
 Timings are triton.testing.do_bench medians (ms) of a CUDA graph holding one call; host launch
@@ -36,7 +36,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.config import FP4Config  # noqa: E402
-from app.kernels import fp4, paged  # noqa: E402
+from app.kernels import decode_fp4_gluon, fp4, paged  # noqa: E402
 from app.kernels.decode_attention import decode_attention, decode_attention_ref, num_splits_for  # noqa: E402
 from app.kernels.prefill_attention import prefill_attention, prefill_attention_ref  # noqa: E402
 from app.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
@@ -48,6 +48,7 @@ BLOCK = 16
 MODELS = {"8B": (32, 8), "70B-TP8": (8, 1)}  # (q heads, KV heads) per GPU
 FP4_BYTES = sum(f.bytes_per_vector(HEAD_DIM) for f in FORMATS)  # K + V per token and KV head: 150
 BF16_BYTES = 2 * 2 * HEAD_DIM  # 512
+GLUON_TILE = decode_fp4_gluon.W * decode_fp4_gluon.TW  # tokens per program and tile, as the launcher splits
 
 
 def bench(fn, reps: int = 100) -> float:
@@ -163,7 +164,6 @@ def checks(results: dict) -> None:
                                  "triton_fp4_kernel": {"fp4_kernel": True},
                                  "triton_fp4_regs_uncapped": {"fp4_kernel": True, "maxnreg": 0},
                                  "gluon_regs96": {"maxnreg": 96},
-                                 "gluon_one_split": {"num_splits": 1},
                                  "gluon_many_splits": {"num_splits": 37}})
             for vname, kw in variants.items():
                 o = torch.full_like(q, float("nan"))
@@ -234,11 +234,9 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
                 # fp4
                 kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
                 row["fp4_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
-                from app.kernels import decode_fp4_gluon
-
                 pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers).programs_per_sm()
                 row["fp4_gluon_programs_per_sm"] = pps
-                row["fp4_num_splits"] = num_splits_for(batch, hk, ctx, DEV, 64, pps, whole_waves=True)
+                row["fp4_num_splits"] = num_splits_for(batch, hk, ctx, DEV, GLUON_TILE, pps, whole_waves=True)
                 # the Triton fp4 kernel (the default before decode_fp4_gluon) on the same pages
                 row["fp4_triton_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
                                                                       fp4_kernel=True))
@@ -254,7 +252,7 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
                     variants = dict(TUNE_VARIANTS)
                     for pps in (2, 3, 4, 5, 6, 8):  # the Gluon kernel's split rule for other program counts per SM
                         variants[f"gluon_splits_{pps}_per_sm"] = {"num_splits": num_splits_for(
-                            batch, hk, ctx, DEV, 64, programs_per_sm=pps, whole_waves=True)}
+                            batch, hk, ctx, DEV, GLUON_TILE, programs_per_sm=pps, whole_waves=True)}
 
                     for name, kw in variants.items():
                         row[f"fp4_{name}_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
@@ -276,8 +274,6 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 save()  # a run cut short keeps the rows it measured
-    from app.kernels import decode_fp4_gluon
-
     results["gluon_registers"] = {f"group {g} key slots {k} maxnreg {r}": n
                                   for (g, k, r), n in decode_fp4_gluon.REGISTERS.items()}
     print("gluon registers:", results["gluon_registers"], flush=True)
@@ -439,13 +435,9 @@ def main() -> None:
             traceback.print_exc()
             results.setdefault("errors", []).append(name)
         print(f"section {name}: {time.time() - t:.0f} s", flush=True)
-        if args.json:  # after every section, so a run cut short keeps what it measured
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        save()  # after every section, so a run cut short keeps what it measured
     results["wall_s"] = time.time() - t0
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    save()
     print_tables(results)
 
 
