@@ -33,6 +33,8 @@ it against the reference on a GPU; bench/kernels.py times it, bench/kernel_sass.
 
 from __future__ import annotations
 
+import torch
+
 from app.kernels import paged
 
 try:  # Gluon ships with Triton >= 3.5; without it decode_attention uses the Triton kernels
@@ -394,8 +396,6 @@ def unsupported(query, k_pages, v_pages, formats, block_size: int) -> str | None
     """Why this kernel cannot run a decode (None: it can). Its scope: head_dim 128, K and V groups of
     32, 0 or 4 key outlier slots and none for values, at most 8 query heads per KV head, pages of a
     multiple of the warp tile, page arrays aligned to 4 bytes; Gluon, on CUDA sm_80+."""
-    import torch
-
     num_kv_heads, head_dim = k_pages.codes.shape[2], query.shape[-1]
     if head_dim != 128:
         return f"head_dim {head_dim} (needs 128)"
@@ -426,8 +426,6 @@ class Launch:
 
     def __init__(self, query, k_pages, v_pages, block_tables, seq_lens, sm_scale_log2: float, k_outliers: int,
                  maxnreg: int | None = None):
-        import torch
-
         num_seqs, num_heads, _ = query.shape
         _, bs, num_kv_heads, _ = k_pages.codes.shape
         group = num_heads // num_kv_heads
@@ -452,8 +450,6 @@ class Launch:
         key = (self.query.device, self.query.dtype, self.rest[0].dtype, self.rest[1].dtype,
                tuple(sorted(self.constexprs.items())))
         if key not in _PROGRAMS_PER_SM:
-            import torch
-
             part = torch.empty(1, dtype=torch.float32, device=self.query.device)
             kernel = _decode_fp4_gluon_kernel.warmup(
                 self.query, self.q_t, self.query, part, part, *self.pages, *self.rest, 128, 2, SPLIT=True,
