@@ -291,8 +291,9 @@ def inv_pow2_scale(e):
 def load_raw(p0, p1, p2, p3, p4, rows, mask, KIND: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
              KO: tl.constexpr):
     """Issue the loads of one head's data for N tokens at `rows` [N] (int64, slot * H + head) and
-    return the raw page bytes as five tensors (unused ones are placeholders). The kernels carry them
-    one tile ahead, so the next tile's loads are in flight while this tile is unpacked and used."""
+    return the raw page bytes as five tensors (unused ones are placeholders). The kernels load a tile
+    where they use it; Triton's software pipelining (num_stages >= 2) issues the next tile's loads
+    early."""
     N: tl.constexpr = rows.shape[0]
     if KIND == 2:
         NG: tl.constexpr = D // G
@@ -361,7 +362,7 @@ def unpack_raw(a, b, c, idx, val, KIND: tl.constexpr, D: tl.constexpr, G: tl.con
 @triton.jit
 def outlier_scores(s, q_ptr, q_rows, q_mask, idx, val, mask, KO: tl.constexpr):
     """s [M, N] + the fp4 key outlier slots' share of q.k: sum over slots of out_val[n] * q[m,
-    out_idx[n]], exact in float32. idx, val [N, KOP] come from load_raw (one tile ahead); the query
+    out_idx[n]], exact in float32. idx, val [N, KOP] come from load_raw; the query
     elements are re-read at the indices (L1 hits: a program's queries are a few KB)."""
     KOP: tl.constexpr = triton.next_power_of_2(KO)
     k = tl.arange(0, KOP)
