@@ -194,7 +194,11 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(base_url):
         with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             chunks = []
-            for line in r.iter_lines():
+            # Hold the line iterator: breaking out of a bare `for line in r.iter_lines()` drops the last
+            # reference to httpx's generators, whose close shuts the connection at once, and the
+            # server's abort then raced the stats read below (num_running 0 in about 1 run in 4).
+            lines = r.iter_lines()
+            for line in lines:
                 if line.startswith("data: {"):
                     chunks.append(json.loads(line[6:]))
                 if len(chunks) == 3:
