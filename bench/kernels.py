@@ -12,7 +12,8 @@
    runs the default (the Gluon kernel on this cache) and, on the same pages, the Triton fp4 kernel
    (fp4_kernel=True) and the generic kernel (fp4_kernel=False), side by side;
 4. store_kv cost per token; 5. prefill TFLOP/s against SDPA bf16 (causal); 6. the engine smoke:
-   greedy tokens with the kernels vs the torch path (Llama-3.1-8B shapes, dummy weights).
+   greedy tokens with the kernels vs the torch path, Llama-3.1-8B shapes carrying a trained model
+   (stories260K widened exactly, app/engine/widen.py; --stories names its directory).
 Timings are triton.testing.do_bench medians (ms) of a CUDA graph holding one call; host launch
 cost is timed apart. Pages are shuffled over the cache; timed pages hold random bytes of valid
 encodings (never zeros). --tune adds decode variants at 8k/32k x batch 1/8/32. Each section's
@@ -234,6 +235,11 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
                 # fp4
                 kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
                 row["fp4_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
+                # the Gluon kernel with and without its cp.async ring (the default picks one by batch x KV heads)
+                row["fp4_ring_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
+                                                                    num_stages=decode_fp4_gluon.STAGES))
+                row["fp4_regload_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
+                                                                       num_stages=0))
                 pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers).programs_per_sm()
                 row["fp4_gluon_programs_per_sm"] = pps
                 row["fp4_num_splits"] = num_splits_for(batch, hk, ctx, DEV, GLUON_TILE, pps, whole_waves=True)
@@ -267,6 +273,7 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
                 row["fp4_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp4_ms"]
                 row["fp4_speedup_vs_generic"] = row["fp4_generic_ms"] / row["fp4_ms"]
                 row["fp4_speedup_vs_triton"] = row["fp4_triton_ms"] / row["fp4_ms"]
+                row["fp4_ring_vs_regload"] = row["fp4_regload_ms"] / row["fp4_ring_ms"]
                 row["bf16_paged_vs_sdpa"] = row["bf16_paged_ms"] / row["sdpa_ms"]
                 row["fp4_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP4_BYTES / (row["fp4_ms"] * 1e-3) / copy_bw
                 row["sdpa_eff_bw_pct_copy"] = 100 * kv_bytes / (row["sdpa_ms"] * 1e-3) / copy_bw
@@ -274,12 +281,16 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 save()  # a run cut short keeps the rows it measured
-    results["gluon_registers"] = {f"group {g} key slots {k} maxnreg {r}": n
-                                  for (g, k, r), n in decode_fp4_gluon.REGISTERS.items()}
-    print("gluon registers:", results["gluon_registers"], flush=True)
+    results["gluon_registers"] = {f"group {g} key slots {k} maxnreg {r} stages {st}": n
+                                  for (g, k, r, st), n in decode_fp4_gluon.REGISTERS.items()}
+    results["gluon_shared_bytes"] = {f"group {g} key slots {k} stages {st}": n
+                                     for (g, k, st), n in decode_fp4_gluon.SHARED.items()}
+    print("gluon registers:", results["gluon_registers"], "shared:", results["gluon_shared_bytes"], flush=True)
 
 
 TUNE_VARIANTS = {  # the fp4 default: the Gluon kernel, 16-token warp tiles; the rest: the Triton fp4 kernel
+    "gluon_stages2": {"num_stages": 2},
+    "gluon_stages8": {"num_stages": 8},
     "gluon_regs96": {"maxnreg": 96},
     "gluon_regs112": {"maxnreg": 112},
     "triton_regs_uncapped": {"fp4_kernel": True, "maxnreg": 0},
@@ -352,44 +363,67 @@ def prefill_section(results: dict) -> None:
 
 
 # -- end to end ----------------------------------------------------------------------------------
-def smoke_section(results: dict, max_tokens: int = 24) -> None:
-    """The engine (Llama-3.1-8B shapes, dummy weights): greedy tokens with the kernels vs the torch
-    reference path on the same engine, for fp4 and bf16 KV, and the wall time of each."""
-    from app import LLM, SamplingParams
+def smoke_section(results: dict, stories_dir: str, max_tokens: int = 64, device: str = "cuda",
+                  shapes: str = "llama-3.1-8b") -> None:
+    """The engine at Llama-3.1-8B shapes (hidden 4096, 32 layers, 32 query and 8 KV heads of 128)
+    carrying stories260K's trained weights, copied exactly into those shapes (app/engine/widen.py;
+    vocabulary 512). Random 8B weights are useless here: their greedy tokens are chaotic, the torch
+    path does not even agree with itself across batch shapes. Greedy tokens, for fp4 and bf16 KV:
+    the kernels (store + attention), the kernels' attention over the torch path's pages, and the
+    torch path, on the same engine; and the small model itself in float32 on the CPU."""
+    import tempfile
+    from pathlib import Path
 
+    from app import LLM, SamplingParams
+    from app.engine.loader import DUMMY_MODELS, load_model
+    from app.engine.widen import copy_widened, widen_config
+
+    stories = Path(stories_dir)
+    small, small_config = load_model(str(stories / "stories260K.bin"))
+    config = widen_config(small_config, DUMMY_MODELS[shapes])
+    model_dir = Path(tempfile.mkdtemp())
+    (model_dir / "config.json").write_text(json.dumps(config.to_hf()))
+    tokenizer = str(stories / "tok512.bin")
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    prompts = [[(7 * i + 3) % 250 + 3 for i in range(n)] for n in (5, 37, 300)]
-    results["smoke"] = {}
+    prompts = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bear",
+               "Tim had a red car. He", "The sun was hot and the", "Sue wanted to bake a cake", "Max was sad"]
+    reference = LLM(model=str(stories / "stories260K.bin"), tokenizer=tokenizer, device="cpu")
+    ref_outputs = reference.generate(prompts, params)
+    ref = [o.token_ids for o in ref_outputs]
+    del reference
+    results["smoke"] = {"model": "stories260K widened to Llama-3.1-8B shapes", "prompts": prompts,
+                        "max_tokens": max_tokens, "small_fp32_text": [o.text for o in ref_outputs]}
+
+    def equal_prefix(a, b):
+        return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b)]
+
     for kv in ("fp4", "bf16"):
-        llm = LLM(model="llama-3.1-8b", kv_cache_dtype=kv, device="cuda", max_model_len=2048,
-                  kv_cache_memory=8 << 30, enable_prefix_caching=False)
+        llm = LLM(model=str(model_dir), load_format="dummy", tokenizer=tokenizer, kv_cache_dtype=kv,
+                  device=device, dtype="bfloat16", kv_cache_memory=1 << 30, enable_prefix_caching=False)
+        copy_widened(small, llm.engine.model)
         cache = llm.engine.kv_cache
-        out = {}
+        out, texts = {}, {}
         # "attention": the torch path stores (so both read the same pages), the kernels attend
         for path, use in (("kernels", True), ("torch", False), ("attention", True)):
             cache.use_kernels = use
             if path == "attention":
                 cache.store = cache._store_ref
             t = time.time()
-            out[path] = [o.token_ids for o in llm.generate(prompts, params)]
+            outputs = llm.generate(prompts, params)
             out[f"{path}_s"] = time.time() - t
+            out[path], texts[path] = [o.token_ids for o in outputs], [o.text for o in outputs]
         del cache.store
-
-        def equal_prefix(a):
-            return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, out["torch"])]
-
-        # how sensitive the random-weight model is: the torch path, prompts one at a time (other
-        # matmul shapes, so other bf16 roundings) against the batch
-        cache.use_kernels = False
-        alone = [llm.generate([p], params)[0].token_ids for p in prompts]
-        results["smoke"].setdefault("torch_alone_vs_batched_equal_prefix", {})[kv] = equal_prefix(alone)
-        results["smoke"][kv] = {"tokens_equal_prefix": equal_prefix(out["kernels"]), "max_tokens": max_tokens,
-                                "attention_only_equal_prefix": equal_prefix(out["attention"]),
-                                "kernels_s": out["kernels_s"], "torch_s": out["torch_s"],
-                                "first_tokens_kernels": [t[:6] for t in out["kernels"]]}
+        cache.use_kernels = True
+        results["smoke"][kv] = {
+            "kernels_vs_torch_equal_prefix": equal_prefix(out["kernels"], out["torch"]),
+            "attention_only_vs_torch_equal_prefix": equal_prefix(out["attention"], out["torch"]),
+            "kernels_vs_small_fp32_equal_prefix": equal_prefix(out["kernels"], ref),
+            "torch_vs_small_fp32_equal_prefix": equal_prefix(out["torch"], ref),
+            "kernels_s": out["kernels_s"], "torch_s": out["torch_s"], "kernels_text": texts["kernels"]}
         print("smoke", kv, json.dumps(results["smoke"][kv]), flush=True)
         del llm, cache
-        torch.cuda.empty_cache()
+        if device != "cpu":
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -400,6 +434,9 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true",
                     help="also time decode variants (split rules, register caps, Triton kernel options)")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: checks,decode,store,prefill,smoke")
+    ap.add_argument("--stories", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models",
+                                                      "stories260K"),
+                    help="directory of stories260K.bin and tok512.bin, for the smoke")
     args = ap.parse_args()
     skip = set(args.skip.split(",")) - {""}
     t0 = time.time()
@@ -421,7 +458,7 @@ def main() -> None:
                                          [int(b) for b in args.batches.split(",")], args.tune, save),
         "store": lambda: store_section(results),
         "prefill": lambda: prefill_section(results),
-        "smoke": lambda: smoke_section(results),
+        "smoke": lambda: smoke_section(results, args.stories),
     }
     for name, run in sections.items():
         if name in skip:
