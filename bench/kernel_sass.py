@@ -99,13 +99,16 @@ def main() -> None:
     dense = {"K_KIND": 0, "K_G": 1, "K_KO": 0, "V_KIND": 0, "V_G": 1, "V_KO": 0}
     dense_sig = dict(SIG, **{k: "*bf16" for k in PAGE_SIG})
     gluon_sig = dict(SIG, qt_ptr="*fp32")
-    gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, **decode_fp4_gluon.layouts()}
+    gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, "STAGES": decode_fp4_gluon.STAGES,
+                  **decode_fp4_gluon.layouts()}
     # (name, kernel, signature, constexprs, warps, stages, maxnreg, tokens per tile)
     cases = [
-        ("Gluon fp4 kernel (the default)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig, gluon_args, 4, 1,
+        ("Gluon fp4 kernel (cp.async ring)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig, gluon_args, 4, 1,
          None, 64),
         ("Gluon fp4 kernel, no key slots, one split", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
          dict(gluon_args, K_KO=0, SPLIT=False), 4, 1, None, 64),
+        ("Gluon fp4 kernel, loads into registers", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
+         dict(gluon_args, STAGES=0), 4, 1, None, 64),
         ("Triton fp4 kernel (128 regs, 1 stage)", _decode_fp4_kernel, SIG, fp4_args, 4, 1, 128, 128),
         ("fp4 kernel, registers uncapped, 2 stages", _decode_fp4_kernel, SIG, fp4_args, 4, 2, None, 128),
         ("generic kernel on fp4 pages (before)", _decode_kernel, SIG, generic_fp4, 4, 2, None, 128),

@@ -2,13 +2,14 @@
 
 Gluon kernels do not run under Triton's interpreter, so the default suite checks what needs no GPU:
 the kernel compiles for sm_90 with the installed Triton (which carries ptxas) to a main loop with no
-register spills, no shared memory and no barrier, and the 16 tensor-core MMAs per warp tile its
-design counts on; and `unsupported` says when a decode falls back to the Triton kernels.
+register spills and at most 128 registers, the 16 tensor-core MMAs per warp tile its design counts
+on, cp.async copies and a barrier per tile (the ring), or no shared memory at all (loads into
+registers); and `unsupported` says when a decode falls back to the Triton kernels.
 
 On a CUDA GPU (`TRITON_INTERPRET=0 python -m pytest tests/test_kernels_gluon.py`) it is checked against
 float32 attention over the dequantized pages and against the Triton fp4 kernel, per sequence and
 query head: odd lengths, GQA 1, 2, 3, 4 and 8, one split and many, with and without key outlier
-slots; the engine's inputs (int64 tables and lengths, no options) take the Gluon kernel; outside
+slots, with the cp.async ring and with loads into registers; the engine's inputs (int64 tables and lengths, no options) take the Gluon kernel; outside
 its scope decode_attention falls back. Bound as in test_kernels_decode.py: about one bf16
 rounding, 1e-2.
 """
@@ -44,11 +45,16 @@ def test_compiles_for_hopper_without_spills_or_shared_memory_in_the_loop():
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert {(r["model"], r["kernel"]) for r in rows} == {
         (m, k) for m in ("8B", "70B-TP8")
-        for k in ("Gluon fp4 kernel (the default)", "Gluon fp4 kernel, no key slots, one split")}
+        for k in ("Gluon fp4 kernel (cp.async ring)", "Gluon fp4 kernel, no key slots, one split",
+                  "Gluon fp4 kernel, loads into registers")}
     for r in rows:
         ops = r["ops"]
         assert r["stack"] == 0, f"register spills: {r}"
-        assert not {"LDS", "STS", "BAR", "LDSM"} & set(ops), f"shared memory or a barrier in the loop: {r}"
+        assert r["regs"] <= 128, f"more than 128 registers: fewer than 4 programs per SM: {r}"
+        if r["kernel"].endswith("loads into registers"):
+            assert not {"LDS", "STS", "BAR", "LDSM", "LDGSTS"} & set(ops), f"shared memory in the loop: {r}"
+        else:  # the cp.async ring: copies, a barrier per tile (Triton 3.6 adds a second), no stores by hand
+            assert ops["LDGSTS"] >= 8 and ops["BAR"] in (1, 2) and "STS" not in ops, r
         # 8 k-steps of S^T = K Q^T and 8 row tiles of O^T += V^T P^T per 16-token warp tile
         assert ops["HMMA"] == 16, r
         assert r["per_token_head"] < 45, r
@@ -102,7 +108,8 @@ SEQ_LENS = [1, 15, 16, 17, 63, 64, 65, 1025, 1027, 4099]
 @pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 1), (2, 2), (2, 3)])
 @pytest.mark.parametrize("key_outliers", [4, 0])
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
-def test_matches_reference_on_gpu(kv_heads, group, key_outliers, num_splits):
+@pytest.mark.parametrize("stages", [None, 0])
+def test_matches_reference_on_gpu(kv_heads, group, key_outliers, num_splits, stages):
     formats = (FP4Format(group_size=32, outliers=key_outliers), FP4Format(group_size=32))
     table, kp, vp = _pages(SEQ_LENS, kv_heads, 16, formats, seed=kv_heads + group)
     query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
@@ -110,7 +117,7 @@ def test_matches_reference_on_gpu(kv_heads, group, key_outliers, num_splits):
     lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
     out = torch.full_like(query, float("nan"))
     decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, num_splits=num_splits,
-                     out=out, gluon=True)
+                     out=out, gluon=True, num_stages=stages)
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
     assert _worst_rel_err(out, ref) < 1e-2
     triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, fp4_kernel=True)
@@ -136,6 +143,23 @@ def test_default_route_is_gluon_with_engine_inputs_on_gpu():
         assert not torch.equal(default, triton_out)
         ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
         assert _worst_rel_err(default, ref) < 1e-2
+
+
+@on_gpu
+@needs_gluon
+def test_default_takes_the_ring_only_for_full_query_groups_on_gpu():
+    """From RING_MIN_GROUP query heads per KV head the default is the cp.async ring, below it loads
+    into registers: the default equals that one bit for bit and differs from the other (in one split,
+    the ring attends the partial tile first, so the float sums differ)."""
+    for kv_heads, group in ((1, 8), (8, 4)):
+        lens = [4099, 1027]
+        table, kp, vp = _pages(lens, kv_heads, 16, DEFAULT_FP4, seed=kv_heads)
+        query = torch.randn(len(lens), kv_heads * group, 128, device="cuda").bfloat16()
+        sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        run = [decode_attention(query, kp, vp, table, sl, 128 ** -0.5, max(lens), DEFAULT_FP4, num_splits=1,
+                                num_stages=st) for st in (None, decode_fp4_gluon.STAGES, 0)]
+        ring = group >= decode_fp4_gluon.RING_MIN_GROUP
+        assert torch.equal(run[0], run[1 if ring else 2]) and not torch.equal(run[0], run[2 if ring else 1])
 
 
 @on_gpu

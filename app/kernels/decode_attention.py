@@ -293,9 +293,11 @@ def decode_attention(
     gluon: True requires the Gluon kernel (ValueError naming why it cannot run), False never uses
     it; fp4_kernel: True/False forces fp4 pages through _decode_fp4_kernel/_decode_kernel (tests and
     the benchmark's baselines); precise_pv and asm=False exist only in the Triton kernels and select
-    them. Triton kernels only: block_n: tokens per tile (None: 128 for fp4 pages, 64 otherwise, the
-    fastest in bench/RESULTS.md); num_warps; num_stages: software-pipeline depth (None: 2, and for
-    fp4 pages 1 once batch x KV heads >= 8); precise_pv: the PV product from p split into two bf16
+    them. num_stages: for the Gluon kernel, the tiles of its cp.async ring (None:
+    decode_fp4_gluon.STAGES; 0: no ring, loads into registers); for the Triton kernels, the
+    software-pipeline depth (None: 2, and for fp4 pages 1 once batch x KV heads >= 8). Triton
+    kernels only: block_n: tokens per tile (None: 128 for fp4 pages, 64 otherwise, the fastest in
+    bench/RESULTS.md); num_warps; precise_pv: the PV product from p split into two bf16
     terms (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton.
     maxnreg: a register cap on CUDA (None: 128 for _decode_fp4_kernel at head_dim 128, none for the
     Gluon kernel; 0: none)."""
@@ -330,7 +332,7 @@ def decode_attention(
         raise ValueError(f"the Gluon fp4 kernel cannot run this decode: {why}")
     if gluon is not False and why is None:
         return _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats,
-                             num_splits, out, maxnreg)
+                             num_splits, out, maxnreg, num_stages)
     if num_splits is None:
         num_splits = num_splits_for(num_seqs, num_kv_heads, max_seq_len, query.device, block_n,
                                     max(1, 65536 // (cap * 32 * num_warps)) if capped else 2, whole_waves=both_fp4)
@@ -362,9 +364,9 @@ def decode_attention(
 
 
 def _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats, num_splits, out,
-                  maxnreg: int | None) -> torch.Tensor:
+                  maxnreg: int | None, stages: int | None) -> torch.Tensor:
     launch = decode_fp4_gluon.Launch(query, k_pages, v_pages, block_tables, seq_lens, scale * LOG2E,
-                                     formats[0].outliers, maxnreg)
+                                     formats[0].outliers, maxnreg, stages)
     tile = decode_fp4_gluon.W * decode_fp4_gluon.TW
     if num_splits is None:
         num_splits = num_splits_for(query.shape[0], k_pages.codes.shape[2], max_seq_len, query.device, tile,

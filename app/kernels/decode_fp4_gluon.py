@@ -18,9 +18,14 @@ layout-level language), chosen so that nothing moves between threads except the 
   and one prmt pairs two tokens' bytes before the same unpack. The output rows are permuted back
   when stored.
 - Warps. Each of the 4 warps walks its own 16 tokens of every 64-token tile with its own online
-  softmax (max, sum, O^T); the four states merge once at the end. The loop has no barrier and no
-  shared memory; the probabilities change from the MMA result layout to the operand layout within
-  a warp (shuffles). Whole tiles run without masks, the last one with them.
+  softmax (max, sum, O^T); the four states merge once at the end. The probabilities change from
+  the MMA result layout to the operand layout within a warp (shuffles). Whole tiles run without
+  masks, the last one with them.
+- Loads, two ways (STAGES). 0: each tile's words are loaded into registers where they are used; the
+  loop has no shared memory and no barrier. 4: a ring of 4 tiles in shared memory that cp.async fills
+  2 tiles ahead of the one attended (39 KiB per program); the loop reads its tile from shared memory,
+  with one barrier per tile, and attends the partial tile first so that every copy in the loop is
+  unmasked. The default picks by query heads per KV head (RING_MIN_GROUP), as measured.
 - Pages. A warp tile's 16 tokens share a page, so a thread reads one block-table entry per tile
   and layout (three: K, scores, V) and addresses its tokens as base row + r x num_kv_heads.
 
@@ -42,7 +47,13 @@ try:  # Gluon ships with Triton >= 3.5; without it decode_attention uses the Tri
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
+    # cp.async: async_copy_global_to_shared in Triton 3.6, async_load from 3.7 (the old name then raises)
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _commit_group = async_copy.commit_group
+    _wait_group = async_copy.wait_group
     AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
@@ -104,6 +115,15 @@ def layouts() -> dict:
         # holds bytes 8g.. of tokens 2t and 2t + 8 (the second token of a pair is the next row)
         V_LOAD=_linear([[0, 0, 0, 1], [0, 4, 0, 0]],
                        [[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]], [W, TW // 2, 8, 2]),
+        # cp.async of one word per token [W, TW] (lanes 16-31 repeat 0-15), and of the 2 words of a
+        # token's key outlier values [W, TW, 2]
+        COPY_ROW=_linear([], [[0, 1], [0, 2], [0, 4], [0, 8], [0, 0]], [W, TW]),
+        COPY_ROW2=_linear([[0, 0, 1]], [[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0], [0, 0, 0]], [W, TW, 2]),
+        # the rows of S^T (tokens g, g + 8 of lane 4 g + t) with the 2 outlier value words
+        S_ROW2=_linear([[0, 0, 1], [0, 8, 0]], [[0, 0, 0], [0, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [W, TW, 2]),
+        # the V scale words of tokens (2 pair, 2 pair + 1) [W, TW/2, 2] where V_LOAD holds their codes
+        V_SCALE2=_linear([[0, 0, 1], [0, 4, 0]], [[0, 1, 0], [0, 2, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
+                         [W, TW // 2, 2]),
     )
 
 
@@ -221,17 +241,15 @@ if AVAILABLE:
             return gl.load(ptr)
 
     @gluon.jit
-    def _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2,
-                     w_k, r_k, w_s, r_s, n_s3, w_v, p_v, off_kc, off_ks, off_vc, off_vs, sm_scale_log2,
-                     BS: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, TW: gl.constexpr,
-                     K_KO: gl.constexpr, OFF64: gl.constexpr, MASKED: gl.constexpr, A_OP: gl.constexpr,
-                     B_OP: gl.constexpr):
-        """One tile: tokens n0 + TW w + r for each warp w, its own online softmax state (m_i [W, NH],
-        per-thread partial sums l_i [W, TW, NH], O^T acc [W, D, NH]). MASKED: tokens at or past `end`
-        may be in the tile (the last one), else every load and score is taken as is."""
+    def _load_tile(n0, end, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_s, r_s, w_v, p_v, off_kc,
+                   off_ks, off_vc, off_vs, BS: gl.constexpr, H: gl.constexpr, TW: gl.constexpr,
+                   K_KO: gl.constexpr, OFF64: gl.constexpr, MASKED: gl.constexpr):
+        """One tile's codes, scales and outlier slots from global memory into registers (STAGES = 0),
+        as int32 in the layouts _attend_tile takes: kc [W, TW, 4, 4] K words, ks [W, TW, 4] K scale bits,
+        ek, ev [W, TW] exponent bits, iw, vw0, vw1 [W, TW] outlier words, ca, cb [W, TW/2, 8, 2] V words of
+        a pair's two tokens, sa, sb [W, TW/2, 8] their V scale bits."""
         D: gl.constexpr = 128
         NG: gl.constexpr = 4
-        # K -> S^T = K Q^T
         base_k = _tile_base(bt_row, n0 + TW * w_k, end, BS, H, h, OFF64, MASKED)  # [W, 1, 1]
         mk = n0 + TW * w_k + r_k < end  # [W, TW, 1]
         kc = _masked_load(k0.to(gl.pointer_type(gl.int32)) + gl.expand_dims(base_k * (D // 8), 3) + off_kc,
@@ -241,14 +259,111 @@ if AVAILABLE:
         ms = n0 + TW * w_s + r_s < end  # [W, TW]
         rows_s = base_s + r_s * H
         ek = _masked_load(k2 + rows_s, ms, MASKED).to(gl.int32)
+        if K_KO == 4:
+            iw = _masked_load((k4 + rows_s * 4).to(gl.pointer_type(gl.int32)), ms, MASKED)
+            vw0 = _masked_load((k3 + rows_s * 4).to(gl.pointer_type(gl.int32)), ms, MASKED)
+            vw1 = _masked_load((k3 + rows_s * 4 + 2).to(gl.pointer_type(gl.int32)), ms, MASKED)
+        else:
+            iw = ek
+            vw0 = ek
+            vw1 = ek
+        ev = _masked_load(v2 + rows_s, ms, MASKED).to(gl.int32)
+        base_v = _tile_base(bt_row, n0 + TW * w_v, end, BS, H, h, OFF64, MASKED)  # [W, 1, 1]
+        mva = n0 + TW * w_v + 2 * p_v < end  # [W, TW/2, 1]
+        mvb = n0 + TW * w_v + 2 * p_v + 1 < end
+        pa = v0.to(gl.pointer_type(gl.int32)) + gl.expand_dims(base_v * (D // 8), 3) + off_vc
+        ca = _masked_load(pa, gl.expand_dims(mva, 3), MASKED)
+        cb = _masked_load(pa + H * (D // 8), gl.expand_dims(mvb, 3), MASKED)
+        psa = v1 + base_v * NG + off_vs
+        sa = _masked_load(psa, mva, MASKED).to(gl.int32)
+        sb = _masked_load(psa + H * NG, mvb, MASKED).to(gl.int32)
+        return kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb
+
+    @gluon.jit
+    def _issue_tile(bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, stage, n0, end, bt_row, h,
+                    k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_c, r_c, w_c2, r_c2, e_c2, w_v, p_v,
+                    off_kc, off_vc, BS: gl.constexpr, H: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr,
+                    OFF64: gl.constexpr, MASKED: gl.constexpr):
+        """Start copying one tile into stage `stage` of the shared-memory ring (cp.async, STAGES > 0).
+        cp.async moves 4, 8 or 16 bytes, so byte arrays travel as the aligned word that holds the byte
+        (_read_tile picks it out): a token's 4 K or V scale bytes are one word, an exponent byte is
+        byte (row & 3) of word row >> 2. Per-token words are copied once per token (COPY_ROW), not
+        once per thread that reads them. Masked (the last tile): tokens at or past `end` copy zeros."""
+        D: gl.constexpr = 128
+        i32: gl.constexpr = gl.pointer_type(gl.int32)
+        base_k = _tile_base(bt_row, n0 + TW * w_k, end, BS, H, h, OFF64, MASKED)  # [W, 1, 1]
+        pk = k0.to(i32) + gl.expand_dims(base_k * (D // 8), 3) + off_kc
+        rows_c = _tile_base(bt_row, n0 + TW * w_c, end, BS, H, h, OFF64, MASKED) + r_c * H  # [W, TW]
+        base_v = _tile_base(bt_row, n0 + TW * w_v, end, BS, H, h, OFF64, MASKED)  # [W, 1, 1]
+        pa = v0.to(i32) + gl.expand_dims(base_v * (D // 8), 3) + off_vc
+        if MASKED:
+            mk = n0 + TW * w_k + r_k < end  # [W, TW, 1]
+            mc = n0 + TW * w_c + r_c < end  # [W, TW]
+            mva = n0 + TW * w_v + 2 * p_v < end  # [W, TW/2, 1]
+            mvb = n0 + TW * w_v + 2 * p_v + 1 < end
+        else:
+            mk = r_k >= 0
+            mc = r_c >= 0
+            mva = p_v >= 0
+            mvb = p_v >= 0
+        _async_load(bkc.index(stage), pk, gl.expand_dims(mk, 3))
+        _async_load(bks.index(stage), k1.to(i32) + rows_c, mc)  # a token's 4 scale bytes: one word
+        _async_load(bek.index(stage), k2.to(i32) + (rows_c >> 2), mc)
+        if K_KO == 4:
+            _async_load(biw.index(stage), k4.to(i32) + rows_c, mc)
+            rows_c2 = _tile_base(bt_row, n0 + TW * w_c2, end, BS, H, h, OFF64, MASKED) + r_c2 * H  # [W, TW, 1]
+            mc2 = n0 + TW * w_c2 + r_c2 < end
+            _async_load(bvw.index(stage), k3.to(i32) + rows_c2 * 2 + e_c2, mc2)
+        _async_load(bev.index(stage), v2.to(i32) + (rows_c >> 2), mc)
+        _async_load(bca.index(stage), pa, gl.expand_dims(mva, 3))
+        _async_load(bcb.index(stage), pa + H * (D // 8), gl.expand_dims(mvb, 3))
+        _async_load(bsv.index(stage), v1.to(i32) + rows_c, mc)
+
+    @gluon.jit
+    def _read_tile(bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, stage, sh_k, sh_s, sh_v,
+                   K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, S_ROW: gl.constexpr, S_ROW2: gl.constexpr,
+                   V_SCALE2: gl.constexpr, K_KO: gl.constexpr):
+        WN: gl.constexpr = bkc.shape[1]
+        TW: gl.constexpr = bkc.shape[2]
+        """A tile copied by _issue_tile, from shared memory into _load_tile's registers; sh_*: the bit
+        offsets of the bytes within their words (loop-invariant: pages and tiles start at multiples of 4
+        rows)."""
+        kc = bkc.index(stage).load(K_LOAD)
+        KL3: gl.constexpr = gl.SliceLayout(3, K_LOAD)
+        ks = (gl.expand_dims(bks.index(stage).load(gl.SliceLayout(2, KL3)), 2) >> sh_k) & 255
+        ek = (bek.index(stage).load(S_ROW) >> sh_s) & 255
+        if K_KO == 4:
+            iw = biw.index(stage).load(S_ROW)
+            vw0, vw1 = gl.split(bvw.index(stage).load(S_ROW2))
+            vw0 = gl.convert_layout(vw0, S_ROW, assert_trivial=True)
+            vw1 = gl.convert_layout(vw1, S_ROW, assert_trivial=True)
+        else:
+            iw = ek
+            vw0 = ek
+            vw1 = ek
+        ev = (bev.index(stage).load(S_ROW) >> sh_s) & 255
+        ca = bca.index(stage).load(V_LOAD)
+        cb = bcb.index(stage).load(V_LOAD)
+        sa, sb = gl.split(bsv.index(stage).reshape([WN, TW // 2, 2]).load(V_SCALE2))
+        VS: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_LOAD))
+        sa = (gl.expand_dims(gl.convert_layout(sa, VS, assert_trivial=True), 2) >> sh_v) & 255
+        sb = (gl.expand_dims(gl.convert_layout(sb, VS, assert_trivial=True), 2) >> sh_v) & 255
+        return kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb
+
+    @gluon.jit
+    def _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb,
+                     w_s, r_s, n_s3, sm_scale_log2, GROUP: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr,
+                     MASKED: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr):
+        """One tile (_load_tile's registers): tokens n0 + TW w + r for each warp w, its own online softmax
+        state (m_i [W, NH], per-thread partial sums l_i [W, TW, NH], O^T acc [W, D, NH]). MASKED: tokens
+        at or past `end` may be in the tile (the last one), else every score is taken as is."""
+        ms = n0 + TW * w_s + r_s < end  # [W, TW]
+        # K -> S^T = K Q^T
         ka = gl.convert_layout(_unpack_k(kc, bf16_scales(ks, ks)), A_OP, assert_trivial=True)
         s = mma_v2(ka, qt, gl.zeros_like(l_i))
         fk = _pow2_scale(ek) * sm_scale_log2
         s = s * gl.expand_dims(fk, 2)
         if K_KO == 4:
-            iw = _masked_load((k4 + rows_s * 4).to(gl.pointer_type(gl.int32)), ms, MASKED)
-            vw0 = _masked_load((k3 + rows_s * 4).to(gl.pointer_type(gl.int32)), ms, MASKED)
-            vw1 = _masked_load((k3 + rows_s * 4 + 2).to(gl.pointer_type(gl.int32)), ms, MASKED)
             s = _key_outliers(s, qt_cols, n_s3 < GROUP, iw, vw0, vw1, ms, GROUP, MASKED)
         # online softmax, base 2, per warp and query head
         if MASKED:
@@ -261,19 +376,9 @@ if AVAILABLE:
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - gl.expand_dims(m_use, 1))
         l_i = l_i * gl.expand_dims(alpha, 1) + p
-        ev = _masked_load(v2 + rows_s, ms, MASKED).to(gl.int32)
         fv = _pow2_scale(ev)
         pt = gl.convert_layout((p * gl.expand_dims(fv, 2)).to(gl.bfloat16), B_OP)
         # V -> O^T += V^T P^T; V^T's columns are token pairs (2 pair, 2 pair + 1)
-        base_v = _tile_base(bt_row, n0 + TW * w_v, end, BS, H, h, OFF64, MASKED)  # [W, 1, 1]
-        mva = n0 + TW * w_v + 2 * p_v < end  # [W, TW/2, 1]
-        mvb = n0 + TW * w_v + 2 * p_v + 1 < end
-        pa = v0.to(gl.pointer_type(gl.int32)) + gl.expand_dims(base_v * (D // 8), 3) + off_vc
-        ca = _masked_load(pa, gl.expand_dims(mva, 3), MASKED)
-        cb = _masked_load(pa + H * (D // 8), gl.expand_dims(mvb, 3), MASKED)
-        psa = v1 + base_v * NG + off_vs
-        sa = _masked_load(psa, mva, MASKED).to(gl.int32)
-        sb = _masked_load(psa + H * NG, mvb, MASKED).to(gl.int32)
         vt = gl.convert_layout(_unpack_v(ca, cb, bf16_scales(sa, sb)), A_OP, assert_trivial=True)
         acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
         return m_new, l_i, acc
@@ -286,7 +391,8 @@ if AVAILABLE:
         sm_scale_log2, stride_q_seq, stride_q_head, stride_bt, split_size, num_splits,
         H: gl.constexpr, GROUP: gl.constexpr, BS: gl.constexpr, K_KO: gl.constexpr, SPLIT: gl.constexpr,
         TW: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
-        K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, OFF64: gl.constexpr,
+        K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, COPY_ROW: gl.constexpr, COPY_ROW2: gl.constexpr,
+        S_ROW2: gl.constexpr, V_SCALE2: gl.constexpr, OFF64: gl.constexpr, STAGES: gl.constexpr,
     ):
         D: gl.constexpr = 128
         WN: gl.constexpr = 4
@@ -353,16 +459,93 @@ if AVAILABLE:
         acc = gl.zeros([WN, D, NH], gl.float32, layout=MMA)  # O^T per warp
         tile = WN * TW
         full_end = start + (gl.maximum(end - start, 0) // tile) * tile
-        for n0 in range(start, full_end, tile):  # whole tiles: no masks
-            m_i, l_i, acc = _attend_tile(
-                n0, end, m_i, l_i, acc, qt, qt_cols, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_s, r_s,
-                n_s3, w_v, p_v, off_kc, off_ks, off_vc, off_vs, sm_scale_log2, BS, H, GROUP, TW, K_KO, OFF64, False,
-                A_OP, B_OP)
-        if full_end < end:  # the last, partial tile
-            m_i, l_i, acc = _attend_tile(
-                full_end, end, m_i, l_i, acc, qt, qt_cols, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_s,
-                r_s, n_s3, w_v, p_v, off_kc, off_ks, off_vc, off_vs, sm_scale_log2, BS, H, GROUP, TW, K_KO, OFF64,
-                True, A_OP, B_OP)
+        if STAGES == 0:  # loads straight into registers, where they are used
+            for n0 in range(start, full_end, tile):  # whole tiles: no masks
+                kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = _load_tile(
+                    n0, end, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_s, r_s, w_v, p_v, off_kc, off_ks,
+                    off_vc, off_vs, BS, H, TW, K_KO, OFF64, False)
+                m_i, l_i, acc = _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, kc, ks, ek, iw, vw0, vw1, ev, ca,
+                                             cb, sa, sb, w_s, r_s, n_s3, sm_scale_log2, GROUP, TW, K_KO, False,
+                                             A_OP, B_OP)
+            if full_end < end:  # the last, partial tile
+                kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = _load_tile(
+                    full_end, end, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_s, r_s, w_v, p_v, off_kc,
+                    off_ks, off_vc, off_vs, BS, H, TW, K_KO, OFF64, True)
+                m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qt_cols, kc, ks, ek, iw, vw0, vw1,
+                                             ev, ca, cb, sa, sb, w_s, r_s, n_s3, sm_scale_log2, GROUP, TW, K_KO,
+                                             True, A_OP, B_OP)
+        else:  # a ring of STAGES tiles in shared memory, filled by cp.async STAGES - 2 tiles ahead
+            # unswizzled, row-major, each stage's layout (the leading dim is the stage)
+            SL3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            SL4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+            SL5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+            bkc = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW, 4, 4], SL5)
+            bks = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
+            bek = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
+            biw = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
+            bvw = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW, 2], SL4)
+            bev = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
+            bca = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW // 2, 8, 2], SL5)
+            bcb = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW // 2, 8, 2], SL5)
+            bsv = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
+            sh_k = 8 * t_k
+            sh_s = ((r_s * H + h) & 3) * 8
+            sh_v = 8 * (g_v // 2)
+            w_c = gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, COPY_ROW)), 1)
+            r_c = gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, COPY_ROW)), 0)
+            C2: gl.constexpr = gl.SliceLayout(2, COPY_ROW2)
+            w_c2 = gl.expand_dims(gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, C2)), 1), 2)
+            r_c2 = gl.expand_dims(gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, C2)), 0), 2)
+            e_c2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_ROW2)))
+            e_c2 = gl.expand_dims(gl.expand_dims(e_c2, 0), 1)  # [1, 1, 2]
+            # The order of tiles does not matter to the softmax, so the partial tile (if any) goes first and
+            # the loop's copies and tiles are all whole, unmasked ones: tile k is at full_end for k = 0 when
+            # there is a partial tile, else at start + (k - has_part) x tile.
+            has_part = (full_end < end).to(gl.int32)
+            n_tiles = (full_end - start) // tile + has_part
+            for j in gl.static_range(STAGES - 1):
+                if j < n_tiles:
+                    if j < has_part:
+                        _issue_tile(bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, j, full_end, end, bt_row, h, k0,
+                                    k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_c, r_c, w_c2, r_c2, e_c2, w_v, p_v,
+                                    off_kc, off_vc, BS, H, TW, K_KO, OFF64, True)
+                    else:
+                        _issue_tile(bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, j, start + (j - has_part) * tile,
+                                    end, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_c, r_c, w_c2,
+                                    r_c2, e_c2, w_v, p_v, off_kc, off_vc, BS, H, TW, K_KO, OFF64, False)
+                _commit_group()
+            if has_part > 0:
+                _wait_group(STAGES - 2)  # tile 0 has landed
+                _barrier()  # ... for every thread
+                kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = _read_tile(
+                    bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, 0, sh_k, sh_s, sh_v, K_LOAD, V_LOAD, S_ROW,
+                    S_ROW2, V_SCALE2, K_KO)
+                m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qt_cols, kc, ks, ek, iw, vw0, vw1,
+                                             ev, ca, cb, sa, sb, w_s, r_s, n_s3, sm_scale_log2, GROUP, TW, K_KO,
+                                             True, A_OP, B_OP)
+                if STAGES - 1 < n_tiles:
+                    _issue_tile(bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, STAGES - 1,
+                                start + (STAGES - 2) * tile, end, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k,
+                                w_c, r_c, w_c2, r_c2, e_c2, w_v, p_v, off_kc, off_vc, BS, H, TW, K_KO,
+                                OFF64, False)
+                _commit_group()
+            for k in range(has_part, n_tiles):  # whole tiles: no masks
+                _wait_group(STAGES - 2)  # tile k has landed
+                _barrier()  # ... for every thread, and every thread is done with tile k - 1's stage
+                kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = _read_tile(
+                    bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, k % STAGES, sh_k, sh_s, sh_v, K_LOAD, V_LOAD,
+                    S_ROW, S_ROW2, V_SCALE2, K_KO)
+                n0 = start + (k - has_part) * tile
+                m_i, l_i, acc = _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, kc, ks, ek, iw, vw0, vw1, ev, ca,
+                                             cb, sa, sb, w_s, r_s, n_s3, sm_scale_log2, GROUP, TW, K_KO, False,
+                                             A_OP, B_OP)
+                if k + STAGES - 1 < n_tiles:  # into the stage tile k - 1 used
+                    _issue_tile(bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, (k + STAGES - 1) % STAGES,
+                                n0 + (STAGES - 1) * tile, end, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k,
+                                w_c, r_c, w_c2, r_c2, e_c2, w_v, p_v, off_kc, off_vc, BS, H, TW, K_KO,
+                                OFF64, False)
+                _commit_group()
+            _wait_group(0)
 
         # merge the warps' states
         l_w = gl.sum(l_i, 1)  # [WN, NH]
@@ -409,8 +592,9 @@ def unsupported(query, k_pages, v_pages, formats, block_size: int) -> str | None
         return f"more than {N_HEADS} query heads per KV head"
     if block_size % TW:
         return f"block_size {block_size} not a multiple of {TW}"
-    if any(t.data_ptr() % 4 for t in (k_pages.codes, v_pages.codes, k_pages.out_vals, k_pages.out_idx)):
-        return "page arrays not 4-byte aligned (codes and outlier slots are read as 32-bit words)"
+    if any(t.data_ptr() % 4 for t in (k_pages.codes, v_pages.codes, k_pages.out_vals, k_pages.out_idx,
+                                      k_pages.scales, v_pages.scales, k_pages.scale_exp, v_pages.scale_exp)):
+        return "page arrays not 4-byte aligned (codes, scales, exponents and outlier slots are read as 32-bit words)"
     if not AVAILABLE:
         return "this Triton has no Gluon"
     if query.device.type != "cuda" or paged.interpreting():
@@ -425,7 +609,7 @@ class Launch:
     (cached) to size the splits from its registers, run() launches it."""
 
     def __init__(self, query, k_pages, v_pages, block_tables, seq_lens, sm_scale_log2: float, k_outliers: int,
-                 maxnreg: int | None = None):
+                 maxnreg: int | None = None, stages: int | None = None):
         num_seqs, num_heads, _ = query.shape
         _, bs, num_kv_heads, _ = k_pages.codes.shape
         group = num_heads // num_kv_heads
@@ -442,6 +626,7 @@ class Launch:
         self.constexprs = dict(
             H=num_kv_heads, GROUP=group, BS=bs, K_KO=k_outliers, TW=TW,
             OFF64=FORCE_OFF64 or max(k_pages.codes.numel(), v_pages.codes.numel()) >= 2 ** 31, **_layouts_cached(),
+            STAGES=(STAGES if group >= RING_MIN_GROUP else 0) if stages is None else stages,
             num_warps=W, **({"maxnreg": maxnreg} if maxnreg else {}))
 
     def programs_per_sm(self) -> int:
@@ -460,9 +645,14 @@ class Launch:
             # rule ask for many short splits (103 of 320 tokens for 70B at 32k, batch 32), up to 65%
             # slower, and the 96-register variant that fits 5 was slower in every row measured
             # (bench/RESULTS.md, "fp4 decode, third pass").
-            _PROGRAMS_PER_SM[key] = max(1, min(PLAN_PROGRAMS_PER_SM, 65536 // (regs * 32 * W)))
+            # The cp.async ring takes shared memory too: 4 stages are 39 KiB per program.
+            props = torch.cuda.get_device_properties(self.query.device)
+            smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 << 10)
+            by_smem = smem_sm // (kernel.metadata.shared + 1024)  # 1 KiB per program is the system's
+            _PROGRAMS_PER_SM[key] = max(1, min(PLAN_PROGRAMS_PER_SM, 65536 // (regs * 32 * W), by_smem))
             c = self.constexprs
-            REGISTERS[(c["GROUP"], c["K_KO"], c.get("maxnreg"))] = kernel.n_regs
+            REGISTERS[(c["GROUP"], c["K_KO"], c.get("maxnreg"), c["STAGES"])] = kernel.n_regs
+            SHARED[(c["GROUP"], c["K_KO"], c["STAGES"])] = kernel.metadata.shared
         return _PROGRAMS_PER_SM[key]
 
     def run(self, out, part_o, part_lse, split_size: int, num_splits: int) -> None:
@@ -473,9 +663,17 @@ class Launch:
 
 
 PLAN_PROGRAMS_PER_SM = 4
+STAGES = 4  # tiles in the cp.async ring, a power of 2 (0: each tile loaded into registers where it is used)
+# The ring by default only from this many query heads per KV head (a full MMA N: Llama-3 70B at any
+# TP): there it measured 0-10% faster than loads into registers in 15 of 16 rows (70B at TP 8,
+# contexts 1k-64k, batch 1-128), while with 4 (8B) it was 2-4% slower in 12 of 16, the loop being
+# issue-bound and the ring adding copies, shared-memory loads and a barrier per tile
+# (bench/RESULTS.md, "fp4 decode, fourth pass"). Why the group decides it was not measured.
+RING_MIN_GROUP = 8
 FORCE_OFF64 = False  # 64-bit page offsets even for small caches (tests: the path caches of 2 GiB+ per array take)
 _PROGRAMS_PER_SM: dict = {}
-REGISTERS: dict = {}  # (query heads per KV head, key outlier slots, maxnreg) -> registers per thread
+REGISTERS: dict = {}  # (query heads per KV head, key outlier slots, maxnreg, stages) -> registers per thread
+SHARED: dict = {}  # (query heads per KV head, key outlier slots, stages) -> shared memory bytes per program
 _LAYOUTS: dict = {}
 
 
