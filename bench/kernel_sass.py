@@ -109,6 +109,8 @@ def main() -> None:
          dict(gluon_args, K_KO=0, SPLIT=False), 4, 1, None, 64),
         ("Gluon fp4 kernel, loads into registers", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
          dict(gluon_args, STAGES=0), 4, 1, None, 64),
+        ("Gluon fp4 kernel, the engine's int64 tables and lengths", decode_fp4_gluon._decode_fp4_gluon_kernel,
+         dict(gluon_sig, block_tables_ptr="*i64", seq_lens_ptr="*i64"), gluon_args, 4, 1, None, 64),
         ("Triton fp4 kernel (128 regs, 1 stage)", _decode_fp4_kernel, SIG, fp4_args, 4, 1, 128, 128),
         ("fp4 kernel, registers uncapped, 2 stages", _decode_fp4_kernel, SIG, fp4_args, 4, 2, None, 128),
         ("generic kernel on fp4 pages (before)", _decode_kernel, SIG, generic_fp4, 4, 2, None, 128),

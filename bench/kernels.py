@@ -235,7 +235,7 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
                 # fp4
                 kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
                 row["fp4_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
-                # the Gluon kernel with and without its cp.async ring (the default picks one by batch x KV heads)
+                # the Gluon kernel with its cp.async ring (the default) and with loads into registers
                 row["fp4_ring_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
                                                                     num_stages=decode_fp4_gluon.STAGES))
                 row["fp4_regload_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
@@ -287,6 +287,17 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
                                      for (g, k, st), n in decode_fp4_gluon.SHARED.items()}
     print("gluon registers:", results["gluon_registers"], "shared:", results["gluon_shared_bytes"], flush=True)
 
+
+def _smoke_shapes() -> dict:
+    import dataclasses
+
+    from app.engine.loader import DUMMY_MODELS
+
+    eight_b = DUMMY_MODELS["llama-3.1-8b"]
+    return {"8B": eight_b, "8B-kv4": dataclasses.replace(eight_b, num_key_value_heads=4)}
+
+
+SMOKE_SHAPES = _smoke_shapes()
 
 TUNE_VARIANTS = {  # the fp4 default: the Gluon kernel, 16-token warp tiles; the rest: the Triton fp4 kernel
     "gluon_stages2": {"num_stages": 2},
@@ -364,25 +375,24 @@ def prefill_section(results: dict) -> None:
 
 # -- end to end ----------------------------------------------------------------------------------
 def smoke_section(results: dict, stories_dir: str, max_tokens: int = 64, device: str = "cuda",
-                  shapes: str = "llama-3.1-8b") -> None:
+                  shapes: tuple[str, ...] = ("8B", "8B-kv4")) -> None:
     """The engine at Llama-3.1-8B shapes (hidden 4096, 32 layers, 32 query and 8 KV heads of 128)
     carrying stories260K's trained weights, copied exactly into those shapes (app/engine/widen.py;
-    vocabulary 512). Random 8B weights are useless here: their greedy tokens are chaotic, the torch
-    path does not even agree with itself across batch shapes. Greedy tokens, for fp4 and bf16 KV:
-    the kernels (store + attention), the kernels' attention over the torch path's pages, and the
-    torch path, on the same engine; and the small model itself in float32 on the CPU."""
+    vocabulary 512); "8B-kv4" the same with 4 KV heads (8 query heads per KV head, the MMA's whole
+    N, as for 70B at TP 8). Random 8B weights are useless here: their greedy
+    tokens are chaotic, the torch path does not even agree with itself across batch shapes. Greedy
+    tokens, for fp4 and bf16 KV: the kernels (store + attention), the kernels' attention over the
+    torch path's pages, and the torch path, on the same engine; and the small model itself in
+    float32 on the CPU."""
     import tempfile
     from pathlib import Path
 
     from app import LLM, SamplingParams
-    from app.engine.loader import DUMMY_MODELS, load_model
+    from app.engine.loader import load_model
     from app.engine.widen import copy_widened, widen_config
 
     stories = Path(stories_dir)
     small, small_config = load_model(str(stories / "stories260K.bin"))
-    config = widen_config(small_config, DUMMY_MODELS[shapes])
-    model_dir = Path(tempfile.mkdtemp())
-    (model_dir / "config.json").write_text(json.dumps(config.to_hf()))
     tokenizer = str(stories / "tok512.bin")
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     prompts = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bear",
@@ -391,39 +401,43 @@ def smoke_section(results: dict, stories_dir: str, max_tokens: int = 64, device:
     ref_outputs = reference.generate(prompts, params)
     ref = [o.token_ids for o in ref_outputs]
     del reference
-    results["smoke"] = {"model": "stories260K widened to Llama-3.1-8B shapes", "prompts": prompts,
-                        "max_tokens": max_tokens, "small_fp32_text": [o.text for o in ref_outputs]}
+    results["smoke"] = {"model": "stories260K widened", "prompts": prompts, "max_tokens": max_tokens,
+                        "small_fp32_text": [o.text for o in ref_outputs]}
 
     def equal_prefix(a, b):
         return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b)]
 
-    for kv in ("fp4", "bf16"):
-        llm = LLM(model=str(model_dir), load_format="dummy", tokenizer=tokenizer, kv_cache_dtype=kv,
-                  device=device, dtype="bfloat16", kv_cache_memory=1 << 30, enable_prefix_caching=False)
-        copy_widened(small, llm.engine.model)
-        cache = llm.engine.kv_cache
-        out, texts = {}, {}
-        # "attention": the torch path stores (so both read the same pages), the kernels attend
-        for path, use in (("kernels", True), ("torch", False), ("attention", True)):
-            cache.use_kernels = use
-            if path == "attention":
-                cache.store = cache._store_ref
-            t = time.time()
-            outputs = llm.generate(prompts, params)
-            out[f"{path}_s"] = time.time() - t
-            out[path], texts[path] = [o.token_ids for o in outputs], [o.text for o in outputs]
-        del cache.store
-        cache.use_kernels = True
-        results["smoke"][kv] = {
-            "kernels_vs_torch_equal_prefix": equal_prefix(out["kernels"], out["torch"]),
-            "attention_only_vs_torch_equal_prefix": equal_prefix(out["attention"], out["torch"]),
-            "kernels_vs_small_fp32_equal_prefix": equal_prefix(out["kernels"], ref),
-            "torch_vs_small_fp32_equal_prefix": equal_prefix(out["torch"], ref),
-            "kernels_s": out["kernels_s"], "torch_s": out["torch_s"], "kernels_text": texts["kernels"]}
-        print("smoke", kv, json.dumps(results["smoke"][kv]), flush=True)
-        del llm, cache
-        if device != "cpu":
-            torch.cuda.empty_cache()
+    for shape in shapes:
+        config = widen_config(small_config, SMOKE_SHAPES[shape])
+        for kv in ("fp4", "bf16"):
+            with tempfile.TemporaryDirectory() as model_dir:
+                (Path(model_dir) / "config.json").write_text(json.dumps(config.to_hf()))
+                llm = LLM(model=model_dir, load_format="dummy", tokenizer=tokenizer, kv_cache_dtype=kv,
+                          device=device, dtype="bfloat16", kv_cache_memory=1 << 30, enable_prefix_caching=False)
+            copy_widened(small, llm.engine.model)
+            cache = llm.engine.kv_cache
+            out, texts = {}, {}
+            # "attention": the torch path stores (so both read the same pages), the kernels attend
+            for path, use in (("kernels", True), ("torch", False), ("attention", True)):
+                cache.use_kernels = use
+                if path == "attention":
+                    cache.store = cache._store_ref
+                t = time.time()
+                outputs = llm.generate(prompts, params)
+                out[f"{path}_s"] = time.time() - t
+                out[path], texts[path] = [o.token_ids for o in outputs], [o.text for o in outputs]
+            del cache.store
+            cache.use_kernels = True
+            results["smoke"].setdefault(shape, {})[kv] = {
+                "kernels_vs_torch_equal_prefix": equal_prefix(out["kernels"], out["torch"]),
+                "attention_only_vs_torch_equal_prefix": equal_prefix(out["attention"], out["torch"]),
+                "kernels_vs_small_fp32_equal_prefix": equal_prefix(out["kernels"], ref),
+                "torch_vs_small_fp32_equal_prefix": equal_prefix(out["torch"], ref),
+                "kernels_s": out["kernels_s"], "torch_s": out["torch_s"], "kernels_text": texts["kernels"]}
+            print("smoke", shape, kv, json.dumps(results["smoke"][shape][kv]), flush=True)
+            del llm, cache
+            if device != "cpu":
+                torch.cuda.empty_cache()
 
 
 def main() -> None:

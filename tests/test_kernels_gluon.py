@@ -35,7 +35,7 @@ on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or paged.interpreting(
 
 
 @needs_gluon
-def test_compiles_for_hopper_without_spills_or_shared_memory_in_the_loop():
+def test_compiles_for_hopper_as_designed():
     # in a subprocess: Gluon compiles Triton's reductions, which TRITON_INTERPRET=1 (conftest.py)
     # turns into interpreter functions in this process
     env = dict(os.environ, TRITON_INTERPRET="0")
@@ -46,7 +46,7 @@ def test_compiles_for_hopper_without_spills_or_shared_memory_in_the_loop():
     assert {(r["model"], r["kernel"]) for r in rows} == {
         (m, k) for m in ("8B", "70B-TP8")
         for k in ("Gluon fp4 kernel (cp.async ring)", "Gluon fp4 kernel, no key slots, one split",
-                  "Gluon fp4 kernel, loads into registers")}
+                  "Gluon fp4 kernel, loads into registers", "Gluon fp4 kernel, the engine's int64 tables and lengths")}
     for r in rows:
         ops = r["ops"]
         assert r["stack"] == 0, f"register spills: {r}"
@@ -61,12 +61,13 @@ def test_compiles_for_hopper_without_spills_or_shared_memory_in_the_loop():
 
 
 def test_unsupported_names_the_reason():
-    def why(head_dim=128, heads=8, kv_heads=2, formats=DEFAULT_FP4, block_size=16, offset=0):
+    def why(head_dim=128, heads=8, kv_heads=2, formats=DEFAULT_FP4, block_size=16, offset=0, field=0):
         q = torch.zeros(1, heads, head_dim, dtype=torch.bfloat16)
         k, v = (paged.quantize_pages(torch.zeros(1, block_size, kv_heads, head_dim), "fp4", f) for f in formats)
-        if offset:  # codes starting 2 bytes into their storage
-            k = type(k)(torch.zeros(k.codes.numel() + offset, dtype=torch.uint8)[offset:].view(k.codes.shape),
-                        *k[1:])
+        if offset:  # one of K's arrays (codes, scales, exponents, ...) starting `offset` bytes into its storage
+            t = k[field].view(torch.uint8)
+            moved = torch.zeros(t.numel() + offset, dtype=torch.uint8)[offset:].view(t.shape).view(k[field].dtype)
+            k = type(k)(*k[:field], moved, *k[field + 1:])
         return decode_fp4_gluon.unsupported(q, k, v, formats, block_size)
 
     assert why(head_dim=64) == "head_dim 64 (needs 128)"
@@ -77,9 +78,24 @@ def test_unsupported_names_the_reason():
         "key outlier slots other than 0 or 4")
     assert why(heads=32) == "more than 8 query heads per KV head"
     assert why(block_size=8) == "block_size 8 not a multiple of 16"
-    assert why(offset=2).startswith("page arrays not 4-byte aligned")
+    for field in range(5):  # codes, scales, scale_exp, out_vals, out_idx
+        assert why(offset=2, field=field).startswith("page arrays not 4-byte aligned"), field
     # in scope: on this CPU (or a Triton without Gluon) it still says no
     assert why() in ("Gluon kernels run on CUDA, not on CPU or under TRITON_INTERPRET", "this Triton has no Gluon")
+
+
+@needs_gluon
+def test_num_stages_other_than_0_or_a_power_of_two_is_refused():
+    """num_stages=1 would compile to a ring with no copy ahead (the kernel then reads before its
+    copies land): refused before anything is launched, as are 3 (not a power of two) and -1."""
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+    k, v = (paged.quantize_pages(torch.zeros(2, 16, 1, 128), "fp4", f) for f in DEFAULT_FP4)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    for stages in (1, 3, -1):
+        with pytest.raises(ValueError, match="must be 0 .* or a power of two >= 2"):
+            decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, stages=stages)
+    for stages, expect in ((None, decode_fp4_gluon.STAGES), (0, 0), (2, 2), (8, 8)):
+        assert decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, stages=stages).constexprs["STAGES"] == expect
 
 
 def _pages(seq_lens, kv_heads, block_size, formats, seed):
@@ -108,7 +124,7 @@ SEQ_LENS = [1, 15, 16, 17, 63, 64, 65, 1025, 1027, 4099]
 @pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 1), (2, 2), (2, 3)])
 @pytest.mark.parametrize("key_outliers", [4, 0])
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
-@pytest.mark.parametrize("stages", [None, 0])
+@pytest.mark.parametrize("stages", [decode_fp4_gluon.STAGES, 0])
 def test_matches_reference_on_gpu(kv_heads, group, key_outliers, num_splits, stages):
     formats = (FP4Format(group_size=32, outliers=key_outliers), FP4Format(group_size=32))
     table, kp, vp = _pages(SEQ_LENS, kv_heads, 16, formats, seed=kv_heads + group)
@@ -147,19 +163,21 @@ def test_default_route_is_gluon_with_engine_inputs_on_gpu():
 
 @on_gpu
 @needs_gluon
-def test_default_takes_the_ring_only_for_full_query_groups_on_gpu():
-    """From RING_MIN_GROUP query heads per KV head the default is the cp.async ring, below it loads
-    into registers: the default equals that one bit for bit and differs from the other (in one split,
-    the ring attends the partial tile first, so the float sums differ)."""
+def test_default_is_the_ring_on_gpu():
+    """The default loads through the cp.async ring: it equals num_stages=STAGES bit for bit and
+    differs from loads into registers (in one split the ring attends the partial tile first, so the
+    float sums differ)."""
     for kv_heads, group in ((1, 8), (8, 4)):
         lens = [4099, 1027]
         table, kp, vp = _pages(lens, kv_heads, 16, DEFAULT_FP4, seed=kv_heads)
         query = torch.randn(len(lens), kv_heads * group, 128, device="cuda").bfloat16()
         sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        run = [decode_attention(query, kp, vp, table, sl, 128 ** -0.5, max(lens), DEFAULT_FP4, num_splits=1,
-                                num_stages=st) for st in (None, decode_fp4_gluon.STAGES, 0)]
-        ring = group >= decode_fp4_gluon.RING_MIN_GROUP
-        assert torch.equal(run[0], run[1 if ring else 2]) and not torch.equal(run[0], run[2 if ring else 1])
+        default, ring, registers = (
+            decode_attention(query, kp, vp, table, sl, 128 ** -0.5, max(lens), DEFAULT_FP4, num_splits=1,
+                             num_stages=st) for st in (None, decode_fp4_gluon.STAGES, 0))
+        assert torch.equal(default, ring) and not torch.equal(default, registers)
+        ref = decode_attention_ref(query, kp, vp, table, sl, 128 ** -0.5, DEFAULT_FP4)
+        assert _worst_rel_err(registers, ref) < 1e-2 and _worst_rel_err(ring, ref) < 1e-2
 
 
 @on_gpu
@@ -170,9 +188,9 @@ def test_64_bit_offsets_on_gpu(monkeypatch):
     table, kp, vp = _pages(SEQ_LENS, 8, 16, DEFAULT_FP4, seed=5)
     query = torch.randn(len(SEQ_LENS), 32, 128, device="cuda").bfloat16()
     lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
-    for num_splits in (None, 1):
+    for num_splits, stages in ((None, 0), (1, 0), (None, decode_fp4_gluon.STAGES), (1, decode_fp4_gluon.STAGES)):
         out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), DEFAULT_FP4, gluon=True,
-                               num_splits=num_splits)
+                               num_splits=num_splits, num_stages=stages)
         ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
         assert _worst_rel_err(out, ref) < 1e-2
 

@@ -8,7 +8,7 @@ attention paths says nothing. A trained model has clear margins, but the one ava
 `widen_config` and `copy_widened` put the small model inside a big model's shapes so that the big
 model computes the small one's function; only rounding differs:
 
-- hidden units, MLP columns and vocabulary rows beyond the small model's are zero;
+- hidden units and MLP columns beyond the small model's are zero (the vocabulary is the small one's);
 - a small head's dimension i sits at big dimension i * r in each RoPE half (r = big / small
   head_dim), where the big model's RoPE has the same frequency (same theta and scaling), and the
   query rows are scaled by sqrt(r) so the big softmax scale head_dim**-0.5 gives the small one's;

@@ -25,7 +25,7 @@ layout-level language), chosen so that nothing moves between threads except the 
   loop has no shared memory and no barrier. 4: a ring of 4 tiles in shared memory that cp.async fills
   2 tiles ahead of the one attended (39 KiB per program); the loop reads its tile from shared memory,
   with one barrier per tile, and attends the partial tile first so that every copy in the loop is
-  unmasked. The default picks by query heads per KV head (RING_MIN_GROUP), as measured.
+  unmasked. The ring is the default (measured faster in 27 of 32 rows).
 - Pages. A warp tile's 16 tokens share a page, so a thread reads one block-table entry per tile
   and layout (three: K, scores, V) and addresses its tokens as base row + r x num_kv_heads.
 
@@ -241,8 +241,7 @@ if AVAILABLE:
             return gl.load(ptr)
 
     @gluon.jit
-    def _load_tile(n0, end, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_s, r_s, w_v, p_v, off_kc,
-                   off_ks, off_vc, off_vs, BS: gl.constexpr, H: gl.constexpr, TW: gl.constexpr,
+    def _load_tile(n0, end, bt_row, h, pages, lidx, BS: gl.constexpr, H: gl.constexpr, TW: gl.constexpr,
                    K_KO: gl.constexpr, OFF64: gl.constexpr, MASKED: gl.constexpr):
         """One tile's codes, scales and outlier slots from global memory into registers (STAGES = 0),
         as int32 in the layouts _attend_tile takes: kc [W, TW, 4, 4] K words, ks [W, TW, 4] K scale bits,
@@ -250,6 +249,8 @@ if AVAILABLE:
         a pair's two tokens, sa, sb [W, TW/2, 8] their V scale bits."""
         D: gl.constexpr = 128
         NG: gl.constexpr = 4
+        k0, k1, k2, k3, k4, v0, v1, v2 = pages
+        w_k, r_k, w_s, r_s, w_v, p_v, off_kc, off_ks, off_vc, off_vs = lidx
         base_k = _tile_base(bt_row, n0 + TW * w_k, end, BS, H, h, OFF64, MASKED)  # [W, 1, 1]
         mk = n0 + TW * w_k + r_k < end  # [W, TW, 1]
         kc = _masked_load(k0.to(gl.pointer_type(gl.int32)) + gl.expand_dims(base_k * (D // 8), 3) + off_kc,
@@ -280,17 +281,19 @@ if AVAILABLE:
         return kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb
 
     @gluon.jit
-    def _issue_tile(bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, stage, n0, end, bt_row, h,
-                    k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_c, r_c, w_c2, r_c2, e_c2, w_v, p_v,
-                    off_kc, off_vc, BS: gl.constexpr, H: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr,
-                    OFF64: gl.constexpr, MASKED: gl.constexpr):
+    def _issue_tile(bufs, stage, n0, end, bt_row, h, pages, cidx, BS: gl.constexpr, H: gl.constexpr,
+                    TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr, MASKED: gl.constexpr):
         """Start copying one tile into stage `stage` of the shared-memory ring (cp.async, STAGES > 0).
         cp.async moves 4, 8 or 16 bytes, so byte arrays travel as the aligned word that holds the byte
         (_read_tile picks it out): a token's 4 K or V scale bytes are one word, an exponent byte is
         byte (row & 3) of word row >> 2. Per-token words are copied once per token (COPY_ROW), not
-        once per thread that reads them. Masked (the last tile): tokens at or past `end` copy zeros."""
+        once per thread that reads them. MASKED (the partial tile, which the ring attends first): tokens
+        at or past `end` copy zeros."""
         D: gl.constexpr = 128
         i32: gl.constexpr = gl.pointer_type(gl.int32)
+        bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv = bufs
+        k0, k1, k2, k3, k4, v0, v1, v2 = pages
+        w_k, r_k, w_c, r_c, w_c2, r_c2, e_c2, w_v, p_v, off_kc, off_vc = cidx
         base_k = _tile_base(bt_row, n0 + TW * w_k, end, BS, H, h, OFF64, MASKED)  # [W, 1, 1]
         pk = k0.to(i32) + gl.expand_dims(base_k * (D // 8), 3) + off_kc
         rows_c = _tile_base(bt_row, n0 + TW * w_c, end, BS, H, h, OFF64, MASKED) + r_c * H  # [W, TW]
@@ -312,7 +315,10 @@ if AVAILABLE:
         if K_KO == 4:
             _async_load(biw.index(stage), k4.to(i32) + rows_c, mc)
             rows_c2 = _tile_base(bt_row, n0 + TW * w_c2, end, BS, H, h, OFF64, MASKED) + r_c2 * H  # [W, TW, 1]
-            mc2 = n0 + TW * w_c2 + r_c2 < end
+            if MASKED:
+                mc2 = n0 + TW * w_c2 + r_c2 < end
+            else:
+                mc2 = r_c2 >= 0
             _async_load(bvw.index(stage), k3.to(i32) + rows_c2 * 2 + e_c2, mc2)
         _async_load(bev.index(stage), v2.to(i32) + (rows_c >> 2), mc)
         _async_load(bca.index(stage), pa, gl.expand_dims(mva, 3))
@@ -320,14 +326,15 @@ if AVAILABLE:
         _async_load(bsv.index(stage), v1.to(i32) + rows_c, mc)
 
     @gluon.jit
-    def _read_tile(bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, stage, sh_k, sh_s, sh_v,
-                   K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, S_ROW: gl.constexpr, S_ROW2: gl.constexpr,
-                   V_SCALE2: gl.constexpr, K_KO: gl.constexpr):
+    def _read_tile(bufs, stage, shifts, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, S_ROW: gl.constexpr,
+                   S_ROW2: gl.constexpr, V_SCALE2: gl.constexpr, K_KO: gl.constexpr):
+        """A tile copied by _issue_tile, from shared memory into _load_tile's registers; shifts: the bit
+        offsets (sh_k, sh_s, sh_v) of the bytes within their words, loop-invariant since pages and tiles
+        start at multiples of 4 rows."""
+        bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv = bufs
+        sh_k, sh_s, sh_v = shifts
         WN: gl.constexpr = bkc.shape[1]
         TW: gl.constexpr = bkc.shape[2]
-        """A tile copied by _issue_tile, from shared memory into _load_tile's registers; sh_*: the bit
-        offsets of the bytes within their words (loop-invariant: pages and tiles start at multiples of 4
-        rows)."""
         kc = bkc.index(stage).load(K_LOAD)
         KL3: gl.constexpr = gl.SliceLayout(3, K_LOAD)
         ks = (gl.expand_dims(bks.index(stage).load(gl.SliceLayout(2, KL3)), 2) >> sh_k) & 255
@@ -351,12 +358,13 @@ if AVAILABLE:
         return kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb
 
     @gluon.jit
-    def _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb,
-                     w_s, r_s, n_s3, sm_scale_log2, GROUP: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr,
-                     MASKED: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr):
+    def _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, tile, w_s, r_s, n_s3, sm_scale_log2, GROUP: gl.constexpr,
+                     TW: gl.constexpr, K_KO: gl.constexpr, MASKED: gl.constexpr, A_OP: gl.constexpr,
+                     B_OP: gl.constexpr):
         """One tile (_load_tile's registers): tokens n0 + TW w + r for each warp w, its own online softmax
         state (m_i [W, NH], per-thread partial sums l_i [W, TW, NH], O^T acc [W, D, NH]). MASKED: tokens
-        at or past `end` may be in the tile (the last one), else every score is taken as is."""
+        at or past `end` may be in the tile (the partial one), else every score is taken as is."""
+        kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = tile
         ms = n0 + TW * w_s + r_s < end  # [W, TW]
         # K -> S^T = K Q^T
         ka = gl.convert_layout(_unpack_k(kc, bf16_scales(ks, ks)), A_OP, assert_trivial=True)
@@ -401,7 +409,7 @@ if AVAILABLE:
         h = gl.program_id(0)
         b = gl.program_id(1)
         sp = gl.program_id(2)
-        seq_len = gl.load(seq_lens_ptr + b)
+        seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)  # the engine passes int64; the ring indexes stages by int32
         start = sp * split_size
         end = gl.minimum(seq_len, start + split_size)
         bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
@@ -459,21 +467,17 @@ if AVAILABLE:
         acc = gl.zeros([WN, D, NH], gl.float32, layout=MMA)  # O^T per warp
         tile = WN * TW
         full_end = start + (gl.maximum(end - start, 0) // tile) * tile
+        pages = (k0, k1, k2, k3, k4, v0, v1, v2)
         if STAGES == 0:  # loads straight into registers, where they are used
+            lidx = (w_k, r_k, w_s, r_s, w_v, p_v, off_kc, off_ks, off_vc, off_vs)
             for n0 in range(start, full_end, tile):  # whole tiles: no masks
-                kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = _load_tile(
-                    n0, end, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_s, r_s, w_v, p_v, off_kc, off_ks,
-                    off_vc, off_vs, BS, H, TW, K_KO, OFF64, False)
-                m_i, l_i, acc = _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, kc, ks, ek, iw, vw0, vw1, ev, ca,
-                                             cb, sa, sb, w_s, r_s, n_s3, sm_scale_log2, GROUP, TW, K_KO, False,
-                                             A_OP, B_OP)
+                data = _load_tile(n0, end, bt_row, h, pages, lidx, BS, H, TW, K_KO, OFF64, False)
+                m_i, l_i, acc = _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, data, w_s, r_s, n_s3, sm_scale_log2,
+                                             GROUP, TW, K_KO, False, A_OP, B_OP)
             if full_end < end:  # the last, partial tile
-                kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = _load_tile(
-                    full_end, end, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_s, r_s, w_v, p_v, off_kc,
-                    off_ks, off_vc, off_vs, BS, H, TW, K_KO, OFF64, True)
-                m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qt_cols, kc, ks, ek, iw, vw0, vw1,
-                                             ev, ca, cb, sa, sb, w_s, r_s, n_s3, sm_scale_log2, GROUP, TW, K_KO,
-                                             True, A_OP, B_OP)
+                data = _load_tile(full_end, end, bt_row, h, pages, lidx, BS, H, TW, K_KO, OFF64, True)
+                m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qt_cols, data, w_s, r_s, n_s3,
+                                             sm_scale_log2, GROUP, TW, K_KO, True, A_OP, B_OP)
         else:  # a ring of STAGES tiles in shared memory, filled by cp.async STAGES - 2 tiles ahead
             # unswizzled, row-major, each stage's layout (the leading dim is the stage)
             SL3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -482,15 +486,18 @@ if AVAILABLE:
             bkc = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW, 4, 4], SL5)
             bks = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
             bek = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
-            biw = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
-            bvw = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW, 2], SL4)
+            if K_KO == 4:
+                biw = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
+                bvw = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW, 2], SL4)
+            else:  # never read
+                biw = bek
+                bvw = bek
             bev = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
             bca = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW // 2, 8, 2], SL5)
             bcb = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW // 2, 8, 2], SL5)
             bsv = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
-            sh_k = 8 * t_k
-            sh_s = ((r_s * H + h) & 3) * 8
-            sh_v = 8 * (g_v // 2)
+            bufs = (bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv)
+            shifts = (8 * t_k, ((r_s * H + h) & 3) * 8, 8 * (g_v // 2))
             w_c = gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, COPY_ROW)), 1)
             r_c = gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, COPY_ROW)), 0)
             C2: gl.constexpr = gl.SliceLayout(2, COPY_ROW2)
@@ -498,52 +505,40 @@ if AVAILABLE:
             r_c2 = gl.expand_dims(gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, C2)), 0), 2)
             e_c2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_ROW2)))
             e_c2 = gl.expand_dims(gl.expand_dims(e_c2, 0), 1)  # [1, 1, 2]
+            cidx = (w_k, r_k, w_c, r_c, w_c2, r_c2, e_c2, w_v, p_v, off_kc, off_vc)
             # The order of tiles does not matter to the softmax, so the partial tile (if any) goes first and
             # the loop's copies and tiles are all whole, unmasked ones: tile k is at full_end for k = 0 when
-            # there is a partial tile, else at start + (k - has_part) x tile.
+            # there is a partial tile, else at start + (k - has_part) x tile. Commit group k holds tile k.
             has_part = (full_end < end).to(gl.int32)
             n_tiles = (full_end - start) // tile + has_part
             for j in gl.static_range(STAGES - 1):
                 if j < n_tiles:
                     if j < has_part:
-                        _issue_tile(bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, j, full_end, end, bt_row, h, k0,
-                                    k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_c, r_c, w_c2, r_c2, e_c2, w_v, p_v,
-                                    off_kc, off_vc, BS, H, TW, K_KO, OFF64, True)
+                        _issue_tile(bufs, j, full_end, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, True)
                     else:
-                        _issue_tile(bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, j, start + (j - has_part) * tile,
-                                    end, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k, w_c, r_c, w_c2,
-                                    r_c2, e_c2, w_v, p_v, off_kc, off_vc, BS, H, TW, K_KO, OFF64, False)
+                        _issue_tile(bufs, j, start + (j - has_part) * tile, end, bt_row, h, pages, cidx, BS, H, TW,
+                                    K_KO, OFF64, False)
                 _commit_group()
             if has_part > 0:
                 _wait_group(STAGES - 2)  # tile 0 has landed
                 _barrier()  # ... for every thread
-                kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = _read_tile(
-                    bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, 0, sh_k, sh_s, sh_v, K_LOAD, V_LOAD, S_ROW,
-                    S_ROW2, V_SCALE2, K_KO)
-                m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qt_cols, kc, ks, ek, iw, vw0, vw1,
-                                             ev, ca, cb, sa, sb, w_s, r_s, n_s3, sm_scale_log2, GROUP, TW, K_KO,
-                                             True, A_OP, B_OP)
-                if STAGES - 1 < n_tiles:
-                    _issue_tile(bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, STAGES - 1,
-                                start + (STAGES - 2) * tile, end, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k,
-                                w_c, r_c, w_c2, r_c2, e_c2, w_v, p_v, off_kc, off_vc, BS, H, TW, K_KO,
-                                OFF64, False)
+                data = _read_tile(bufs, 0, shifts, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, K_KO)
+                m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qt_cols, data, w_s, r_s, n_s3,
+                                             sm_scale_log2, GROUP, TW, K_KO, True, A_OP, B_OP)
+                if STAGES - 1 < n_tiles:  # tile STAGES - 1 into stage STAGES - 1
+                    _issue_tile(bufs, STAGES - 1, start + (STAGES - 2) * tile, end, bt_row, h, pages, cidx, BS, H,
+                                TW, K_KO, OFF64, False)
                 _commit_group()
             for k in range(has_part, n_tiles):  # whole tiles: no masks
                 _wait_group(STAGES - 2)  # tile k has landed
                 _barrier()  # ... for every thread, and every thread is done with tile k - 1's stage
-                kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = _read_tile(
-                    bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, k % STAGES, sh_k, sh_s, sh_v, K_LOAD, V_LOAD,
-                    S_ROW, S_ROW2, V_SCALE2, K_KO)
+                data = _read_tile(bufs, k % STAGES, shifts, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, K_KO)
                 n0 = start + (k - has_part) * tile
-                m_i, l_i, acc = _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, kc, ks, ek, iw, vw0, vw1, ev, ca,
-                                             cb, sa, sb, w_s, r_s, n_s3, sm_scale_log2, GROUP, TW, K_KO, False,
-                                             A_OP, B_OP)
+                m_i, l_i, acc = _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, data, w_s, r_s, n_s3,
+                                             sm_scale_log2, GROUP, TW, K_KO, False, A_OP, B_OP)
                 if k + STAGES - 1 < n_tiles:  # into the stage tile k - 1 used
-                    _issue_tile(bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv, (k + STAGES - 1) % STAGES,
-                                n0 + (STAGES - 1) * tile, end, bt_row, h, k0, k1, k2, k3, k4, v0, v1, v2, w_k, r_k,
-                                w_c, r_c, w_c2, r_c2, e_c2, w_v, p_v, off_kc, off_vc, BS, H, TW, K_KO,
-                                OFF64, False)
+                    _issue_tile(bufs, (k + STAGES - 1) % STAGES, n0 + (STAGES - 1) * tile, end, bt_row, h, pages,
+                                cidx, BS, H, TW, K_KO, OFF64, False)
                 _commit_group()
             _wait_group(0)
 
@@ -613,6 +608,10 @@ class Launch:
         num_seqs, num_heads, _ = query.shape
         _, bs, num_kv_heads, _ = k_pages.codes.shape
         group = num_heads // num_kv_heads
+        stages = STAGES if stages is None else stages
+        if stages != 0 and (stages < 2 or stages & (stages - 1)):
+            raise ValueError(f"num_stages for the Gluon fp4 kernel must be 0 (loads into registers) or a power of "
+                             f"two >= 2 (tiles in its cp.async ring), got {stages}")
         # scratch for the query x sm_scale_log2 transposed (the kernel writes it: the key outlier slots'
         # gathers read two heads at once there)
         q_t = query
@@ -626,12 +625,12 @@ class Launch:
         self.constexprs = dict(
             H=num_kv_heads, GROUP=group, BS=bs, K_KO=k_outliers, TW=TW,
             OFF64=FORCE_OFF64 or max(k_pages.codes.numel(), v_pages.codes.numel()) >= 2 ** 31, **_layouts_cached(),
-            STAGES=(STAGES if group >= RING_MIN_GROUP else 0) if stages is None else stages,
+            STAGES=stages,
             num_warps=W, **({"maxnreg": maxnreg} if maxnreg else {}))
 
     def programs_per_sm(self) -> int:
-        """Programs of this kernel resident per SM, from its compiled register count (compiling it once
-        per configuration: it sets the split count, so the grid fills whole waves)."""
+        """Programs of this kernel resident per SM, from its compiled registers and shared memory
+        (compiling it once per configuration: it sets the split count, so the grid fills whole waves)."""
         key = (self.query.device, self.query.dtype, self.rest[0].dtype, self.rest[1].dtype,
                tuple(sorted(self.constexprs.items())))
         if key not in _PROGRAMS_PER_SM:
@@ -647,7 +646,7 @@ class Launch:
             # (bench/RESULTS.md, "fp4 decode, third pass").
             # The cp.async ring takes shared memory too: 4 stages are 39 KiB per program.
             props = torch.cuda.get_device_properties(self.query.device)
-            smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 << 10)
+            smem_sm = getattr(props, "shared_memory_per_multiprocessor", 164 << 10)  # else sm_80's, the least
             by_smem = smem_sm // (kernel.metadata.shared + 1024)  # 1 KiB per program is the system's
             _PROGRAMS_PER_SM[key] = max(1, min(PLAN_PROGRAMS_PER_SM, 65536 // (regs * 32 * W), by_smem))
             c = self.constexprs
@@ -663,13 +662,10 @@ class Launch:
 
 
 PLAN_PROGRAMS_PER_SM = 4
-STAGES = 4  # tiles in the cp.async ring, a power of 2 (0: each tile loaded into registers where it is used)
-# The ring by default only from this many query heads per KV head (a full MMA N: Llama-3 70B at any
-# TP): there it measured 0-10% faster than loads into registers in 15 of 16 rows (70B at TP 8,
-# contexts 1k-64k, batch 1-128), while with 4 (8B) it was 2-4% slower in 12 of 16, the loop being
-# issue-bound and the ring adding copies, shared-memory loads and a barrier per tile
-# (bench/RESULTS.md, "fp4 decode, fourth pass"). Why the group decides it was not measured.
-RING_MIN_GROUP = 8
+# Tiles in the cp.async ring, a power of 2 (0: each tile loaded into registers where it is used). On
+# the H200 the ring was faster than loads into registers in 12 of 16 rows for the 8B shape
+# (0.97-1.16x) and 15 of 16 for 70B at TP 8 (0.98-1.10x); bench/RESULTS.md, "fp4 decode, fourth pass".
+STAGES = 4
 FORCE_OFF64 = False  # 64-bit page offsets even for small caches (tests: the path caches of 2 GiB+ per array take)
 _PROGRAMS_PER_SM: dict = {}
 REGISTERS: dict = {}  # (query heads per KV head, key outlier slots, maxnreg, stages) -> registers per thread
