@@ -38,6 +38,8 @@ it against the reference on a GPU; bench/kernels.py times it, bench/kernel_sass.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from app.kernels import paged
@@ -45,9 +47,7 @@ from app.kernels import paged
 try:  # Gluon ships with Triton >= 3.5; without it decode_attention uses the Triton kernels
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
     # cp.async: async_copy_global_to_shared in Triton 3.6, async_load from 3.7 (the old name then raises)
@@ -65,30 +65,23 @@ N_HEADS = 8  # MMA N: query heads per KV head, padded
 # One word of E2M1 code bytes of each of two tokens (a: $8, b: $9) and their group scales as one
 # bf16x2 word ($10: bf16_scales) -> eight bf16x2 pairs (token a, token b) of one nibble of one byte:
 # $0 lo(byte 0), $1 lo(1), $2 hi(0), $3 hi(1), $4 lo(2), $5 lo(3), $6 hi(2), $7 hi(3). Two prmts
-# interleave the tokens' bytes; the rest is paged._FP4_UNPACK_BODY, one bf16x2 scale for all.
-_PAIR_BODY = """
-  prmt.b32 y, W, z, 0x1404;
-  shr.b32 t, y, 2; shl.b32 u, y, 4; lop3.b32 t, t, u, 0x81C081C0, 0xA8;
-  mul.rn.bf16x2 OLO0, t, $10;
-  shr.b32 t, y, 6; and.b32 u, y, 0x80008000; lop3.b32 t, t, u, 0x81C081C0, 0xEC;
-  mul.rn.bf16x2 OHI0, t, $10;
-  prmt.b32 y, W, z, 0x3424;
-  shr.b32 t, y, 2; shl.b32 u, y, 4; lop3.b32 t, t, u, 0x81C081C0, 0xA8;
-  mul.rn.bf16x2 OLO1, t, $10;
-  shr.b32 t, y, 6; and.b32 u, y, 0x80008000; lop3.b32 t, t, u, 0x81C081C0, 0xEC;
-  mul.rn.bf16x2 OHI1, t, $10;
-"""
+# interleave the tokens' bytes; each interleaved word then goes through paged._FP4_UNPACK_BODY, with
+# one bf16x2 scale for all.
+
+
+def _pair_unpack(word: str, lo0: str, lo1: str, hi0: str, hi1: str) -> str:
+    """paged._FP4_UNPACK_BODY reading `word` and writing (lo0, lo1, hi0, hi1), scaled by $10."""
+    names = {"$4": word, "$0": lo0, "$1": lo1, "$2": hi0, "$3": hi1, "SCALE01": "$10", "SCALE23": "$10"}
+    return re.sub(r"\$\d|SCALE01|SCALE23", lambda m: names[m.group(0)], paged._FP4_UNPACK_BODY)
+
+
 _V_UNPACK_PTX = ("""
 {
   .reg .b32 z, y, t, u, w0, w1;
   mov.b32 z, 0;
   prmt.b32 w0, $8, $9, 0x5140;
   prmt.b32 w1, $8, $9, 0x7362;"""
-                 + _PAIR_BODY.replace("W", "w0").replace("OLO0", "$0").replace("OLO1", "$1")
-                 .replace("OHI0", "$2").replace("OHI1", "$3")
-                 + _PAIR_BODY.replace("W", "w1").replace("OLO0", "$4").replace("OLO1", "$5")
-                 .replace("OHI0", "$6").replace("OHI1", "$7")
-                 + "}\n")
+                 + _pair_unpack("w0", "$0", "$1", "$2", "$3") + _pair_unpack("w1", "$4", "$5", "$6", "$7") + "}\n")
 
 # One word of code bytes of one token ($4) and its bf16x2 scale word ($5) -> (low nibbles of bytes
 # 0, 1), (2, 3) as $0, $1 and the high nibbles as $2, $3 (paged._FP4_UNPACK_BODY).
@@ -459,9 +452,7 @@ if AVAILABLE:
         b_v = gl.expand_dims(gl.expand_dims(gl.expand_dims(b_v, 0), 1), 2)  # [1, 1, 1, 2] words
 
         off_kc = gl.expand_dims(r_k * (H * (D // 8)) + 4 * t_k, 3) + b_k  # [1, TW, 4, 4] words within a tile
-        off_ks = r_k * (H * NG) + t_k  # group t of 4
         off_vc = gl.expand_dims(2 * p_v * (H * (D // 8)) + 2 * g_v, 3) + b_v  # token 2 pair, bytes 8g.. (words)
-        off_vs = 2 * p_v * (H * NG) + g_v // 2
         m_i = gl.full([WN, NH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
         l_i = gl.zeros([WN, TW, NH], gl.float32, layout=MMA)  # per-thread partial sums, reduced at the end
         acc = gl.zeros([WN, D, NH], gl.float32, layout=MMA)  # O^T per warp
@@ -469,6 +460,8 @@ if AVAILABLE:
         full_end = start + (gl.maximum(end - start, 0) // tile) * tile
         pages = (k0, k1, k2, k3, k4, v0, v1, v2)
         if STAGES == 0:  # loads straight into registers, where they are used
+            off_ks = r_k * (H * NG) + t_k  # group t of 4
+            off_vs = 2 * p_v * (H * NG) + g_v // 2
             lidx = (w_k, r_k, w_s, r_s, w_v, p_v, off_kc, off_ks, off_vc, off_vs)
             for n0 in range(start, full_end, tile):  # whole tiles: no masks
                 data = _load_tile(n0, end, bt_row, h, pages, lidx, BS, H, TW, K_KO, OFF64, False)
