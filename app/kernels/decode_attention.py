@@ -15,11 +15,11 @@ around the fp4 unpack; its docstring says how, `unsupported` says what it needs)
 V pages run _decode_fp4_kernel, the same algorithm arranged around the unpack in plain Triton (also
 what the CPU tests interpret); every other combination runs _decode_kernel.
 
-Speed (bench/RESULTS.md, H200): bf16 pages run within 3-16% of torch SDPA on contiguous K/V for the
-Llama-3.1-8B shape at batch >= 8; fp4 pages (Gluon) 1.24-1.58x faster than SDPA from 8k context
-and batch 8 (70B at TP 8: 0.93-1.55x), 1.02-1.86x the Triton fp4 kernel, bound by instruction
-issue on the integer pipe rather than bytes (bench/kernel_sass.py counts the loop's instructions
-without a GPU).
+Speed (bench/RESULTS.md, H200, "fp4 decode, fourth pass"): bf16 pages run within 3-12% of torch
+SDPA on contiguous K/V for the Llama-3.1-8B shape from 8k context and batch 8; fp4 pages (Gluon)
+1.35-1.59x faster than SDPA there (70B at TP 8: 0.97-1.62x), 1.46-1.90x the Triton fp4 kernel
+for 8B (1.11-1.99x for 70B), bound by instruction issue on the integer pipe rather than bytes
+(bench/kernel_sass.py counts the loop's instructions without a GPU).
 """
 
 from __future__ import annotations
@@ -295,8 +295,8 @@ def decode_attention(
     the benchmark's baselines); precise_pv and asm=False exist only in the Triton kernels and select
     them. num_stages: for the Gluon kernel, 0 (loads into registers) or the tiles of its cp.async
     ring, a power of two >= 2 (None: decode_fp4_gluon.STAGES; other values raise ValueError); for
-    the Triton kernels, the
-    software-pipeline depth (None: 2, and for fp4 pages 1 once batch x KV heads >= 8). Triton
+    the Triton kernels, the software-pipeline depth (None: 2, and for fp4 pages 1 once batch x KV
+    heads >= 8). Triton
     kernels only: block_n: tokens per tile (None: 128 for fp4 pages, 64 otherwise, the fastest in
     bench/RESULTS.md); num_warps; precise_pv: the PV product from p split into two bf16
     terms (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton.
