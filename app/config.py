@@ -132,6 +132,12 @@ class EngineConfig(BaseModel):
     )
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of identical prefixes.")
     device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1', ...")
+    enforce_eager: bool = Field(
+        False, description="Never use CUDA graphs. Default: on CUDA, decode-only steps replay a CUDA graph "
+        "captured at start-up for each batch-size bucket (1, 2, 4, 8, 16, 32, ... max_num_seqs); prefill and "
+        "mixed steps run eager. Graphs are also off, on their own, with tensor_parallel_size > 1 and for KV "
+        "caches the kernels cannot serve (the engine logs why).",
+    )
     seed: int = Field(0, description="Seed of dummy weights and of unseeded sampling.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64,

@@ -10,7 +10,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
-STORIES_DIR = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+# ../shared/models/stories260K beside the checkout, or $STORIES260K_DIR (the GPU machine gets a copy)
+STORIES_DIR = Path(os.environ.get("STORIES260K_DIR") or
+                   Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K")
 STORIES_MODEL = STORIES_DIR / "stories260K.bin"
 STORIES_TOKENIZER = STORIES_DIR / "tok512.bin"
 STORIES_GREEDY = (

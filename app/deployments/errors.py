@@ -14,8 +14,8 @@ from pydantic import BaseModel, ValidationError
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from app.deployments.protocol import BadRequestError, OpenAIError, ServiceUnavailableError
-from app.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from app.deployments.protocol import BadRequestError, InternalServerError, OpenAIError, ServiceUnavailableError
+from app.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError
 
 _LEADING_NAME = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)")
 # Engine / SamplingParams field names that are request parameters (an endpoint may rename them).
@@ -37,6 +37,8 @@ def to_openai_error(e: BaseException, fields: dict[str, str], retry_after_s: int
     if isinstance(cause, (EngineOverloadedError, BackPressureError)):
         return ServiceUnavailableError(f"the server is overloaded ({message}); retry later",
                                        retry_after_s=retry_after_s)
+    if isinstance(cause, RequestFailedError):
+        return InternalServerError(f"the request failed: {message}")
     if isinstance(cause, (EngineDeadError, RayActorError)):
         return ServiceUnavailableError(f"the engine is unavailable ({message}); retry later",
                                        code="engine_unavailable", retry_after_s=retry_after_s)

@@ -78,6 +78,12 @@ class ServiceUnavailableError(OpenAIError):
     _defaults = {"status_code": 503, "type": "server_error", "code": "overloaded"}
 
 
+class InternalServerError(OpenAIError):
+    """The request failed inside the engine on its own (the server and other requests are fine)."""
+
+    _defaults = {"status_code": 500, "type": "server_error", "code": "request_failed"}
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

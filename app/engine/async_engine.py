@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from app.config import EngineConfig
 from app.engine.engine import LLMEngine, RequestOutput
-from app.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from app.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError
 from app.engine.kv_events import KVEvent
 from app.engine.sampling_params import SamplingParams
 
@@ -91,7 +91,8 @@ class AsyncLLMEngine:
         """Stream a request's outputs (deltas; the last one has finished=True).
 
         Raises InvalidRequestError (nothing queued) for a bad request, EngineOverloadedError when
-        the queue is full, EngineDeadError when the engine loop has failed. Stopping the iteration
+        the queue is full, EngineDeadError when the engine loop has failed, RequestFailedError when
+        this request failed on its own (NaN/Inf in its K/V or logits). Stopping the iteration
         early (or cancelling the task consuming it) aborts the request.
         """
         self.check_health()
@@ -182,8 +183,8 @@ class AsyncLLMEngine:
                 outputs = engine.step()
                 self.num_steps += 1
                 self.snapshot = self._snapshot()  # before delivering: what a caller sees is never newer
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                for out in outputs:  # a request that failed on its own gets its error, the rest go on
+                    self._deliver(out.request_id, out if out.error is None else RequestFailedError(out.error))
                 events = engine.take_kv_events()
                 if events and self.on_kv_events is not None:
                     self.on_kv_events(events)

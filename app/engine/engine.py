@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +39,7 @@ class RequestOutput:
     delta_text: str
     delta_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
     stop_reason: int | str | None  # the stop string or stop token id that finished it, if any
     num_cached_tokens: int
     # Complete lists on the final output only (None before), so streaming stays O(tokens):
@@ -47,6 +48,18 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     delta_logprobs: list[float] | None = None
     delta_top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None  # why the request failed (finish_reason "error"); others are unaffected
+    metrics: RequestMetrics | None = None  # on the final output
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """A request's timeline from the engine's own clock (time.perf_counter)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output token was produced
 
 
 @dataclass(slots=True, eq=False)
@@ -54,9 +67,11 @@ class _RequestState:
     seq: Sequence
     prompt: str | None
     detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
     num_sent_tokens: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = field(default=None)
+    error: str | None = None
 
 
 def resolve_tokenizer(config: EngineConfig, vocab_size: int) -> Tokenizer:
@@ -116,6 +131,13 @@ class LLMEngine:
         self._lock = threading.RLock()
         self._kv_events: list[KVEvent] = []
         self.kv_manager.pool.subscribe(self._kv_events.append)
+        self.peak_num_running = 0
+        # Per-step records for benchmarks: set to a list and every step that runs the model appends
+        # {schedule_s, prepare_s, forward_s, sample_s, output_s, total_s, num_seqs, num_tokens,
+        # decode_only, graph, start}; with sync_step_timings the device is synchronized between
+        # phases so that the split is exact (slower), else only total_s and start are.
+        self.step_timings: list[dict] | None = None
+        self.sync_step_timings = False
         logger.info(
             "engine ready: model=%s tensor_parallel_size=%d kv_cache_dtype=%s blocks=%d x %d tokens "
             "(%.1f MiB, %d B/token over all ranks)",
@@ -170,7 +192,8 @@ class LLMEngine:
             include_stop_str_in_output=params.include_stop_str_in_output,
             prompt_token_ids=prompt_ids,
         )
-        state = _RequestState(seq, prompt if isinstance(prompt, str) else None, detok)
+        state = _RequestState(seq, prompt if isinstance(prompt, str) else None, detok,
+                              RequestMetrics(time.perf_counter()))
         if params.logprobs is not None:
             state.logprobs, state.top_logprobs = [], []
         with self._lock:
@@ -191,23 +214,40 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; outputs of requests with new tokens or finished."""
+        """Schedule, run the model once, sample; outputs of requests with new tokens or finished.
+
+        A request whose K/V or logits were not finite this step finishes with finish_reason
+        "error" (RequestOutput.error says why); its new blocks never enter the prefix cache, and
+        every other request goes on.
+        """
         with self._lock:
+            t0 = time.perf_counter()
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 return []
+            self.peak_num_running = max(self.peak_num_running, self.scheduler.num_running)
+            runner = getattr(self.executor, "runner", None)
+            timing = self.step_timings is not None and runner is not None
+            if timing:
+                runner.sync_timings = self.sync_step_timings
+            t1 = time.perf_counter()
             sampled_seqs, out = self.executor.execute(sched)
+            t2 = time.perf_counter()
+            failed = self._fail_requests(sched, out.failed)
             sampled = {}
             for i, seq in enumerate(sampled_seqs):
+                if seq.request_id in out.failed:
+                    continue
                 sampled[seq.request_id] = out.token_ids[i]
                 state = self._requests[seq.request_id]
                 if state.logprobs is not None:
                     state.logprobs.append(out.logprobs[i])
                     state.top_logprobs.append(out.top_logprobs[i])
             finished = {s.request_id for s in self.scheduler.update_from_output(sched, sampled)}
-            outputs = []
+            outputs = failed
             for rid in sampled:
                 state = self._requests[rid]
+                state.metrics.token_times.append(t2)
                 stop = state.detokenizer.append([sampled[rid]])
                 if stop is not None:
                     # A stop string wins over a length limit reached by the same token.
@@ -217,7 +257,28 @@ class LLMEngine:
                     state.seq.status = SequenceStatus.FINISHED_STOPPED
                     state.seq.stop_reason = stop
                 outputs.append(self._finish(rid) if rid in finished else self._make_output(state))
+            if timing:
+                t3 = time.perf_counter()
+                rt = runner.last_timing
+                self.step_timings.append({
+                    "start": t0, "schedule_s": t1 - t0, "prepare_s": rt.get("prepare_s", 0.0),
+                    "forward_s": rt.get("forward_s", 0.0), "sample_s": rt.get("sample_s", 0.0),
+                    "output_s": t3 - t2, "total_s": t3 - t0, "num_seqs": len(sched.scheduled),
+                    "num_tokens": sum(n for _, n in sched.scheduled),
+                    "decode_only": all(n == 1 for _, n in sched.scheduled), "graph": rt.get("graph", False)})
             return outputs
+
+    def _fail_requests(self, sched, failed: dict[str, str]) -> list[RequestOutput]:
+        """Finish the requests the step failed (status error) before their blocks are cached; they
+        leave `sched` so the scheduler does not advance them."""
+        if not failed:
+            return []
+        for rid, why in failed.items():
+            self._requests[rid].error = why
+            logger.warning("request %s failed: %s", rid, why)
+        sched.scheduled = [(s, n) for s, n in sched.scheduled if s.request_id not in failed]
+        self.scheduler.finish_requests(list(failed), SequenceStatus.FINISHED_ERROR)
+        return [self._finish(rid) for rid in failed]
 
     def _finish(self, request_id: str) -> RequestOutput:
         self.executor.release(request_id)
@@ -238,11 +299,16 @@ class LLMEngine:
             finish_reason=seq.status.finish_reason,
             stop_reason=seq.stop_reason,
             num_cached_tokens=max(seq.num_cached_tokens, 0),
+            error=state.error,
         )
         if state.logprobs is not None:
             out.delta_logprobs = state.logprobs[start:]
             out.delta_top_logprobs = state.top_logprobs[start:]
         if finished:
+            m = state.metrics
+            m.finished_time = time.perf_counter()
+            m.first_token_time = m.token_times[0] if m.token_times else None
+            out.metrics = m
             out.token_ids = seq.output_token_ids
             out.logprobs, out.top_logprobs = state.logprobs, state.top_logprobs
         return out
@@ -276,6 +342,7 @@ class LLMEngine:
             "num_free_kv_blocks": self.kv_manager.num_free_blocks,
             "kv_cache_usage": self.kv_manager.usage,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "peak_num_running": self.peak_num_running,
         }
 
 

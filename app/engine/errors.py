@@ -11,3 +11,8 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop has failed; the replica must be restarted (its health check fails)."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed on its own (e.g. NaN/Inf in its K/V or logits); the engine and every other
+    request run on. Retrying the same request will most likely fail the same way."""

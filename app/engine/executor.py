@@ -113,7 +113,7 @@ class LocalExecutor(Executor):
 
     def __init__(self, config: EngineConfig, vocab_size: int, max_model_len: int) -> None:
         super().__init__()
-        self.runner = ModelRunner(config, vocab_size)
+        self.runner = ModelRunner(config, vocab_size, max_model_len=max_model_len)
         self.num_kv_blocks = self.runner.num_kv_blocks_fit(max_model_len)
         self.runner.allocate_kv_cache(self.num_kv_blocks)
 

@@ -76,15 +76,26 @@ class KVCache(ABC):
         layer: int,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        slot_mapping: torch.Tensor,  # [num_tokens] int64
+        slot_mapping: torch.Tensor,  # [num_tokens] int32/int64; < 0: skip the token
+        nonfinite: torch.Tensor | None = None,  # [>= num_tokens] int32 flags (AttentionMetadata.nonfinite)
     ) -> None:
-        """Write (quantizing if the format does) the new tokens' K/V into their slots."""
+        """Write (quantizing if the format does) the new tokens' K/V into their slots. With
+        `nonfinite`, tokens whose K or V holds NaN/Inf are flagged there and not written (no device
+        sync on the kernel path); without it, quantized formats raise ValueError on them."""
         if self.kernels_enabled():
             from app.kernels.store_kv import store_kv
 
-            store_kv(key, value, slot_mapping, *self.layer_pages(layer), self.kernel_formats, self.check_finite)
-        else:
-            self._store_ref(layer, key, value, slot_mapping)
+            store_kv(key, value, slot_mapping, *self.layer_pages(layer), self.kernel_formats, self.check_finite,
+                     nonfinite=nonfinite)
+            return
+        keep = slot_mapping >= 0
+        if nonfinite is not None:
+            finite = torch.isfinite(key).flatten(1).all(1) & torch.isfinite(value).flatten(1).all(1)
+            nonfinite[: len(finite)] |= (~finite).to(nonfinite.dtype)
+            keep &= finite
+        if not bool(keep.all()):
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        self._store_ref(layer, key, value, slot_mapping.long())
 
     @abstractmethod
     def _store_ref(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -117,7 +128,7 @@ class KVCache(ABC):
         from app.kernels.prefill_attention import prefill_attention
 
         k_pages, v_pages = self.layer_pages(layer)
-        if meta.max_query_len == 1:
+        if meta.max_query_len == 1:  # a decode-only step
             return decode_attention(query, k_pages, v_pages, meta.block_tables, meta.seq_lens_tensor, scale,
                                     meta.max_seq_len, self.kernel_formats)
         return prefill_attention(query, k_pages, v_pages, meta.block_tables, meta.seq_lens_tensor,
@@ -131,20 +142,23 @@ class KVCache(ABC):
         """
         out = torch.empty_like(query)
         bs = self.spec.block_size
-        query_lens = meta.query_lens
+        # The device tensors are what a replayed step holds (the lists are the capture's); reading
+        # them syncs, which the torch path may: it never runs inside a CUDA graph.
+        seq_lens, qsl = meta.seq_lens_tensor.tolist(), meta.query_start_loc_tensor.tolist()
+        query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
         decodes = [i for i, n in enumerate(query_lens) if n == 1]
         if decodes:
-            rows = [meta.query_start_loc[i] for i in decodes]
-            lens = [meta.seq_lens[i] for i in decodes]
+            rows = [qsl[i] for i in decodes]
+            lens = [seq_lens[i] for i in decodes]
             num_blocks = cdiv(max(lens), bs)
             tables = meta.block_tables[decodes, :num_blocks]  # [d, num_blocks]
             k, v = read_blocks(layer, tables.flatten())  # [d * num_blocks, bs, kvh, hd]
             k = k.view(len(decodes), num_blocks * bs, *k.shape[2:])
             v = v.view(len(decodes), num_blocks * bs, *v.shape[2:])
-            seq_lens = torch.tensor(lens, device=query.device)
-            out[rows] = decode_attention_ref(query[rows], k, v, seq_lens, scale).to(query.dtype)
-        for i, seq_len in enumerate(meta.seq_lens):
-            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            lens_t = torch.tensor(lens, device=query.device)
+            out[rows] = decode_attention_ref(query[rows], k, v, lens_t, scale).to(query.dtype)
+        for i, seq_len in enumerate(seq_lens):
+            start, end = qsl[i], qsl[i + 1]
             if end - start <= 1:
                 continue  # a decode (done above) or nothing
             block_ids = meta.block_tables[i, : cdiv(seq_len, bs)]
@@ -279,10 +293,10 @@ class FP4KVCache(KVCache):
     def layer_pages(self, layer):
         return self.pages[2 * layer], self.pages[2 * layer + 1]
 
-    def store(self, layer, key, value, slot_mapping) -> None:
+    def store(self, layer, key, value, slot_mapping, nonfinite=None) -> None:
         if self.rotation is not None and self.kernels_enabled():  # the rotation stays in torch
             key, value = key.float() @ self.rotation, value.float() @ self.rotation
-        super().store(layer, key, value, slot_mapping)
+        super().store(layer, key, value, slot_mapping, nonfinite)
 
     def _store_ref(self, layer, key, value, slot_mapping) -> None:
         quantized = [fp4.fp4_quantize(x, fmt, self.rotation) for x, fmt in zip((key, value), self.formats)]

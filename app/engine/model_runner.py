@@ -9,17 +9,23 @@ tp_size 1 this is the whole model in the engine's process.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from app.config import EngineConfig
 from app.engine.attention import AttentionMetadata
+from app.engine.input_batch import InputBuffers
 from app.engine.kv_cache import KVCache, KVCacheSpec, create_kv_cache, kv_bytes_per_token
 from app.engine.kv_cache_manager import cdiv
 from app.engine.loader import load_model
 from app.engine.sampler import Sampler, SamplerOutput
 from app.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_MEMORY = 1 << 30
@@ -55,15 +61,26 @@ class StepMessage:
 class _RequestState:
     block_table: list[int]
     params: SamplingParams
+    row: int  # its row of the device block table (InputBuffers.table)
+    num_synced: int = 0  # leading block ids of block_table already written to that row
 
 
 @dataclass(slots=True)
 class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
+    num_tokens: int  # the step's tokens (padding excluded)
+    num_seqs: int
+    graph_size: int | None  # the captured decode graph to replay (its batch size), or None: eager
+    input_ids: torch.Tensor  # [num_tokens (+ padding)] int64, a slice of the persistent buffer
+    positions: torch.Tensor  # [num_tokens (+ padding)] int64
     meta: AttentionMetadata
-    sample_rows: list[int]  # row of each sampling request's last token
+    sample_rows: torch.Tensor  # [num_samples] int64 on the device: row of each sampling request's last token
     sample_request_ids: list[str]
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then multiples of 16, and max_num_seqs."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
 
 
 def fit_num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int, device: torch.device,
@@ -93,10 +110,16 @@ class ModelRunner:
 
     Only rank 0 computes logits and samples; `execute` returns None on the other ranks. Rows of
     requests without a seed share one generator seeded from config.seed.
+
+    A step costs what its device work costs: its inputs are staged in persistent buffers
+    (input_batch.py) and copied without a sync; decode-only steps on CUDA replay a CUDA graph
+    captured per batch-size bucket (graph_batch_sizes), padded to the bucket; the only sync is
+    the read of the sampled tokens, which carries each request's non-finite flags with it (NaN/Inf
+    in its K/V or logits fail that request, not the step).
     """
 
     def __init__(self, config: EngineConfig, vocab_size: int, tp_rank: int = 0, tp_size: int = 1,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, max_model_len: int | None = None) -> None:
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.device = torch.device(device if device is not None else config.device)
@@ -105,6 +128,7 @@ class ModelRunner:
         self.model, mc = load_model(config.model, device=self.device, dtype=self.dtype,
                                     load_format=config.load_format, seed=config.seed,
                                     tp_rank=tp_rank, tp_size=tp_size)
+        self.max_model_len = max_model_len or config.max_model_len or mc.max_position_embeddings
         self.kv_spec = KVCacheSpec(
             num_layers=mc.num_hidden_layers,
             num_kv_heads=mc.num_key_value_heads // tp_size,  # this rank's KV heads only
@@ -115,87 +139,224 @@ class ModelRunner:
         self.fp4_formats = config.fp4.formats()
         self.kv_bytes_per_token = kv_bytes_per_token(config.kv_cache_dtype, self.kv_spec, self.fp4_formats)
         self.kv_cache: KVCache | None = None
+        self.buffers: InputBuffers | None = None
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed)) if tp_rank == 0 else None
         self.requests: dict[str, _RequestState] = {}
         self.generators: dict[str, torch.Generator] = {}  # rank 0: requests with a seed
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, logits)
+        self.graphs_disabled_reason: str | None = None
+        # Per-step phase times (seconds) of the latest step; with sync_timings the device is
+        # synchronized between phases so that they are exact (benchmarks only: it costs overlap).
+        self.sync_timings = False
+        self.last_timing: dict = {}
 
     def num_kv_blocks_fit(self, max_model_len: int) -> int:
         return fit_num_kv_blocks(self.config, self.kv_bytes_per_token, self.device, max_model_len)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache and the step buffers, then capture the decode graphs (CUDA)."""
         self.kv_cache = create_kv_cache(self.config.kv_cache_dtype, self.kv_spec, num_blocks, self.device,
                                         self.fp4_formats)
+        c = self.config
+        self.buffers = InputBuffers(max(c.max_num_batched_tokens, c.max_num_seqs), c.max_num_seqs,
+                                    cdiv(self.max_model_len, c.block_size), self.device)
+        self.graphs_disabled_reason = self._graphs_problem()
+        if self.graphs_disabled_reason is None:
+            self.capture_graphs()
+        elif self.device.type == "cuda":
+            logger.info("decode steps run eager (no CUDA graphs): %s", self.graphs_disabled_reason)
 
+    def _graphs_problem(self) -> str | None:
+        if self.device.type != "cuda":
+            return "not on CUDA"
+        if self.config.enforce_eager:
+            return "enforce_eager is set"
+        if self.tp_size > 1:
+            return "tensor_parallel_size > 1 (graphs are captured with one rank only)"
+        if not self.kv_cache.kernels_enabled():
+            return f"the KV cache runs its torch path ({self.kv_cache.kernel_problem()}), which syncs"
+        return None
+
+    # -- requests ------------------------------------------------------------------------------
     def _update_requests(self, step: StepMessage) -> None:
+        buf = self.buffers
         for rid in step.finished_request_ids:
-            self.requests.pop(rid, None)
+            state = self.requests.pop(rid, None)
+            if state is not None:
+                buf.free_row(state.row)
             self.generators.pop(rid, None)
         for r in step.requests:
             if r.params is not None:
-                self.requests[r.request_id] = _RequestState(list(r.block_ids), r.params)
+                old = self.requests.get(r.request_id)
+                row = old.row if old is not None else buf.take_row()
+                self.requests[r.request_id] = _RequestState(list(r.block_ids), r.params, row)
                 if self.sampler is not None and r.params.seed is not None and r.request_id not in self.generators:
                     self.generators[r.request_id] = torch.Generator(self.device).manual_seed(r.params.seed)
             else:
                 self.requests[r.request_id].block_table.extend(r.block_ids)
 
+    # -- inputs --------------------------------------------------------------------------------
     def prepare(self, step: StepMessage) -> StepInputs:
+        """Stage the step in the persistent buffers and copy them to the device (no sync)."""
+        buf = self.buffers
         bs = self.block_size
-        input_ids: list[int] = []
-        positions, slots = [], []
-        seq_lens, query_start_loc = [], [0]
+        buf.wait_staging_free()
+        ids, pos, slots, tok_seq = buf.input_ids.np, buf.positions.np, buf.slot_mapping.np, buf.token_seq.np
+        seq_lens_np, qsl_np, rows_np = buf.seq_lens.np, buf.query_start_loc.np, buf.row_ids.np
+        seq_lens, qsl = [], [0]
         sample_rows, sample_ids = [], []
-        tables = [self.requests[r.request_id].block_table for r in step.requests]
-        block_tables = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int64)
-        for i, (r, table) in enumerate(zip(step.requests, tables)):
-            start, end = r.start_pos, r.start_pos + len(r.token_ids)
-            input_ids.extend(r.token_ids)
-            table = torch.tensor(table, dtype=torch.int64)
-            block_tables[i, : len(table)] = table
-            pos = torch.arange(start, end, dtype=torch.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + len(r.token_ids))
+        t = 0
+        for i, r in enumerate(step.requests):
+            state = self.requests[r.request_id]
+            table = state.block_table
+            if len(table) > state.num_synced:
+                buf.write_blocks(state.row, state.num_synced, table[state.num_synced:])
+                state.num_synced = len(table)
+            n, start = len(r.token_ids), r.start_pos
+            if n == 1:
+                ids[t] = r.token_ids[0]
+                pos[t] = start
+                slots[t] = table[start // bs] * bs + start % bs
+                tok_seq[t] = i
+            else:
+                p = np.arange(start, start + n)
+                ids[t:t + n] = r.token_ids
+                pos[t:t + n] = p
+                slots[t:t + n] = np.asarray(table)[p // bs] * bs + p % bs
+                tok_seq[t:t + n] = i
+            t += n
+            seq_lens.append(start + n)
+            qsl.append(t)
+            rows_np[i] = state.row
             if r.do_sample:
-                sample_rows.append(query_start_loc[-1] - 1)
+                sample_rows.append(t - 1)
                 sample_ids.append(r.request_id)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev),
-            block_tables=block_tables.to(dev),
+        num_seqs = len(step.requests)
+        seq_lens_np[:num_seqs] = seq_lens
+        qsl_np[:num_seqs + 1] = qsl
+        buf.sample_rows.np[:len(sample_rows)] = sample_rows
+        graph_size = None
+        if self.graphs and t == num_seqs:  # decode-shaped: one token per sequence
+            graph_size = next((b for b in self.graphs if b >= num_seqs), None)
+        padded = graph_size or num_seqs
+        if padded > num_seqs:
+            buf.stage_padding(t, num_seqs, padded)
+        num_tokens = t + padded - num_seqs
+        buf.upload(num_tokens, padded, len(sample_rows))
+        meta = self._meta(num_tokens, padded, seq_lens, qsl, graph_size is not None)
+        return StepInputs(t, num_seqs, graph_size, buf.input_ids.dev[:num_tokens], buf.positions.dev[:num_tokens],
+                          meta, buf.sample_rows.dev[:len(sample_rows)], sample_ids)
+
+    def _meta(self, num_tokens: int, num_seqs: int, seq_lens: list[int], qsl: list[int],
+              graph: bool) -> AttentionMetadata:
+        buf = self.buffers
+        if len(seq_lens) < num_seqs:  # padding sequences of a decode graph: one token each
+            pad = num_seqs - len(seq_lens)
+            seq_lens = seq_lens + [1] * pad
+            qsl = qsl + list(range(qsl[-1] + 1, qsl[-1] + 1 + pad))
+        return AttentionMetadata(
+            slot_mapping=buf.slot_mapping.dev[:num_tokens],
+            block_tables=buf.block_tables[:num_seqs],
             seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
-        )
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.cat(positions).to(dev),
-            meta=meta,
-            sample_rows=sample_rows,
-            sample_request_ids=sample_ids,
+            query_start_loc=qsl,
+            seq_lens_t=buf.seq_lens.dev[:num_seqs],
+            query_start_loc_t=buf.query_start_loc.dev[:num_seqs + 1],
+            plan_max_seq_len=self.max_model_len if graph else None,
+            nonfinite=buf.nonfinite[:num_tokens],
         )
 
     @property
     def block_size(self) -> int:
         return self.kv_spec.block_size
 
+    # -- CUDA graphs ---------------------------------------------------------------------------
+    def _decode_logits(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """The whole decode forward, as a graph captures it: flags cleared, logits of every row."""
+        meta.nonfinite.zero_()
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        return self.model.compute_logits(hidden)  # [num_seqs, vocab] float32
+
+    def graph_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, metadata) a decode graph of `size` sequences is captured over:
+        slices of the persistent buffers, staged as padding (one unstored token per sequence)."""
+        buf = self.buffers
+        buf.stage_padding(0, 0, size)
+        buf.upload(size, size, 0)
+        return buf.input_ids.dev[:size], buf.positions.dev[:size], self._meta(size, size, [], [0], graph=True)
+
+    def capture_graphs(self) -> None:
+        """Capture one decode graph per batch size in graph_batch_sizes (largest first, one memory
+        pool), each after an eager warm-up run that compiles its kernels outside the capture."""
+        start = time.perf_counter()
+        pool = None
+        sizes = graph_batch_sizes(self.config.max_num_seqs)
+        with torch.inference_mode():
+            for size in reversed(sizes):
+                ids, pos, meta = self.graph_inputs(size)
+                self._decode_logits(ids, pos, meta)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._decode_logits(ids, pos, meta)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        self.graphs = dict(sorted(self.graphs.items()))
+        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(sizes), sizes,
+                    time.perf_counter() - start)
+
+    # -- one step ------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.sync_timings and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def execute(self, step: StepMessage) -> SamplerOutput | None:
-        """Run one step on this rank; rank 0 returns what the sampling requests sampled, in order."""
+        """Run one step on this rank; rank 0 returns what the sampling requests sampled, in order,
+        and the requests whose K/V or logits were not finite (SamplerOutput.failed)."""
         assert self.kv_cache is not None, "allocate_kv_cache() first"
         self._update_requests(step)
         if not step.requests:
             return None
+        t0 = time.perf_counter()
         inputs = self.prepare(step)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        self._sync()
+        t1 = time.perf_counter()
+        if inputs.graph_size is not None:
+            graph, logits_all = self.graphs[inputs.graph_size]
+            graph.replay()
+            logits = logits_all.index_select(0, inputs.sample_rows)
+        else:
+            meta = inputs.meta
+            meta.nonfinite.zero_()
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)
+            logits = None
+            if self.sampler is not None and inputs.sample_request_ids:
+                logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        self._sync()
+        t2 = time.perf_counter()
+        self.last_timing = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": 0.0,
+                            "graph": inputs.graph_size is not None}
         if self.sampler is None:
             return None
-        if not inputs.sample_rows:
-            return SamplerOutput([], None, None)
-        rows = torch.tensor(inputs.sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])[:, : self.vocab_size]  # [num_sampled, vocab] float32
+        # per sequence: did any of its tokens store a NaN/Inf vector
+        seq_bad = torch.zeros(inputs.num_seqs, dtype=torch.int64, device=self.device)
+        seq_bad.index_add_(0, self.buffers.token_seq.dev[:inputs.num_tokens],
+                           inputs.meta.nonfinite[:inputs.num_tokens].long())
         rids = inputs.sample_request_ids
-        return self.sampler(
-            logits,
-            [self.requests[rid].params for rid in rids],
-            [self.generators.get(rid) for rid in rids],
-        )
+        if rids:
+            logits = logits[:, : self.vocab_size]  # [num_sampled, vocab] float32
+            logits_bad = (~torch.isfinite(logits).all(dim=-1)).long()
+            out = self.sampler(logits, [self.requests[rid].params for rid in rids],
+                               [self.generators.get(rid) for rid in rids], extra=torch.cat((seq_bad, logits_bad)))
+        else:
+            out = SamplerOutput([], None, None, extra=seq_bad.tolist())
+        flags = out.extra
+        out.failed = {r.request_id: "non-finite (NaN/Inf) values in its keys/values" for r, bad
+                      in zip(step.requests, flags[:inputs.num_seqs]) if bad}
+        for rid, bad in zip(rids, flags[inputs.num_seqs:]):
+            if bad and rid not in out.failed:
+                out.failed[rid] = "non-finite (NaN/Inf) logits"
+        self._sync()
+        self.last_timing["sample_s"] = time.perf_counter() - t2
+        return out

@@ -10,7 +10,7 @@ same tokens whatever else is in the batch. The work is a few in-place passes ove
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,8 @@ class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[float] | None  # log-prob of the sampled token per row; None if no row asked
     top_logprobs: list[list[tuple[int, float]] | None] | None  # per row its N best (id, logprob)
+    extra: list[int] | None = None  # the caller's `extra` tensor, read with the token ids (one sync)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed (set by the runner)
 
 
 class Sampler:
@@ -48,7 +50,9 @@ class Sampler:
         self.default_generator = default_generator
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> SamplerOutput:
+                 generators: list[torch.Generator | None], extra: torch.Tensor | None = None) -> SamplerOutput:
+        """One token per row. `extra` (an int64 tensor on the logits' device) is read back with the
+        token ids in one device-to-host copy and returned as SamplerOutput.extra."""
         # logits: [num_rows, vocab]
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError(f"logits must be [num_rows, vocab] with one SamplingParams and one "
@@ -67,12 +71,21 @@ class Sampler:
             token_ids = _sample(logits, params, generators, shared)
         else:
             token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
-            rows = torch.tensor(greedy, device=device)
+            rows = _tensor(greedy, torch.long, device)
             token_ids[rows] = logits[rows].argmax(dim=-1)
-            rows = torch.tensor(sampled, device=device)
+            rows = _tensor(sampled, torch.long, device)
             token_ids[rows] = _sample(logits[rows], [params[i] for i in sampled],
                                       [generators[i] for i in sampled], shared)
-        return _with_logprobs(logits, token_ids, params)
+        return _with_logprobs(logits, token_ids, params, extra)
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without a sync (pinned staging, non-blocking copy on CUDA;
+    a plain copy from pageable memory would wait for the device)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -80,7 +93,7 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams],
     # logits: [rows, vocab] -> token ids [rows]
     rows, vocab = logits.shape
     device = logits.device
-    temperature = torch.tensor([float(p.temperature) for p in params], device=device)[:, None]  # [rows, 1]
+    temperature = _tensor([float(p.temperature) for p in params], torch.float32, device)[:, None]  # [rows, 1]
     removed = _filtered_out(logits, temperature, params)  # [rows, vocab] bool, or None
 
     score = torch.empty_like(logits)  # [rows, vocab], u ~ U[0, 1) first
@@ -114,29 +127,31 @@ def _filtered_out(logits: torch.Tensor, temperature: torch.Tensor,
     threshold = torch.full((rows, 1), float("-inf"), device=device)  # [rows, 1]
     for group in (with_k, p_only):  # top-k rows need only torch.topk; top-p alone may sort
         if group:
-            idx = torch.tensor(group, device=device)
-            k = torch.tensor([top_k[i] for i in group], device=device)  # [len(group)]
-            p = torch.tensor([float(params[i].top_p) for i in group], device=device)  # [len(group)]
+            idx = _tensor(group, torch.long, device)
+            k = _tensor([top_k[i] for i in group], torch.long, device)  # [len(group)]
+            p = _tensor([float(params[i].top_p) for i in group], torch.float32, device)  # [len(group)]
             group_logits = logits if len(group) == rows else logits[idx]
-            threshold[idx] = top_k_top_p_threshold(group_logits, temperature[idx], k, p)
+            threshold[idx] = top_k_top_p_threshold(group_logits, temperature[idx], k, p,
+                                                    max_k=max(top_k[i] for i in group))
     return logits < threshold
 
 
 def top_k_top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                          top_p: torch.Tensor) -> torch.Tensor:
+                          top_p: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
     """The smallest logit each row keeps: of its top_k logits, the smallest set whose probability
     (softmax of logits / temperature, renormalized over those k) reaches top_p.
     logits: [rows, vocab]; temperature: [rows, 1]; top_k: [rows] long in [1, vocab], either all
-    < vocab or all == vocab; top_p: [rows] float in (0, 1]. Returns [rows, 1]: keep the logits
-    >= it (ties with the last kept token are kept too)."""
+    < vocab or all == vocab; top_p: [rows] float in (0, 1]; max_k: top_k.max() if the caller knows
+    it (saves a device sync). Returns [rows, 1]: keep the logits >= it (ties with the last kept token
+    are kept too). Top-p alone syncs once to see whether its candidates hold the nucleus."""
     vocab = logits.shape[1]
-    max_k = int(top_k.max())
+    max_k = int(top_k.max()) if max_k is None else max_k
     if max_k < vocab:
         best = logits.topk(max_k, dim=-1).values  # [rows, max_k] descending
         rank = torch.arange(max_k, device=logits.device)
         probs = (best / temperature).masked_fill(rank >= top_k[:, None], float("-inf")).softmax(-1)
     else:
-        if bool((top_k < vocab).any()):
+        if max_k is None and bool((top_k < vocab).any()):
             raise ValueError("top_k_top_p_threshold: rows with and without top-k; call it "
                              "once for each kind")
         best = logits.topk(min(vocab, _TOP_P_CANDIDATES), dim=-1).values  # [rows, n] descending
@@ -156,12 +171,17 @@ def top_k_top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k
 
 
 def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                   params: list[SamplingParams]) -> SamplerOutput:
+                   params: list[SamplingParams], extra: torch.Tensor | None = None) -> SamplerOutput:
     # logits: [num_rows, vocab]; token_ids: [num_rows]
-    ids = token_ids.tolist()
+    extra_list = None
+    if extra is None:
+        ids = token_ids.tolist()
+    else:
+        both = torch.cat((token_ids.long(), extra.long())).tolist()
+        ids, extra_list = both[: len(token_ids)], both[len(token_ids):]
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not wanted:
-        return SamplerOutput(ids, None, None)
+        return SamplerOutput(ids, None, None, extra_list)
     logprobs = logits.log_softmax(dim=-1)  # [num_rows, vocab], of the raw logits
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
     max_n = max(params[i].logprobs for i in wanted)
@@ -172,4 +192,4 @@ def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     for i in wanted:
         n = params[i].logprobs
         top[i] = list(zip(top_ids[i][:n], top_values[i][:n])) if n else []
-    return SamplerOutput(ids, chosen, top)
+    return SamplerOutput(ids, chosen, top, extra_list)

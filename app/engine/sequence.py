@@ -17,10 +17,12 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # failed on its own (non-finite K/V or logits); other requests run on
 
     @property
     def finished(self) -> bool:
-        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED,
+                        SequenceStatus.FINISHED_ERROR)
 
     @property
     def finish_reason(self) -> str | None:

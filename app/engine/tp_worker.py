@@ -62,7 +62,7 @@ class TPWorker:
             torch.cuda.set_device(device)
         dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.tp_size,
                                 timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        self.runner = ModelRunner(config, vocab_size, self.rank, self.tp_size, device)
+        self.runner = ModelRunner(config, vocab_size, self.rank, self.tp_size, device, max_model_len)
         self._info["device"] = str(device)
         return self.runner.num_kv_blocks_fit(max_model_len)
 

@@ -151,11 +151,19 @@ def _store_one(x_ptr, prow, r, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: tl
 
 
 @triton.jit
+def _nonfinite_rows(x_ptr, r, mask, D: tl.constexpr):
+    """[R] True where row r of x [rows, D] holds a NaN or an Inf (x - x is NaN exactly there)."""
+    d = tl.arange(0, D)
+    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * D + d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    return tl.max(((x - x) != 0.0).to(tl.int32), 1) > 0
+
+
+@triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, slot_ptr, num_rows,
+    k_ptr, v_ptr, slot_ptr, num_rows, flag_ptr,
     k0, k1, k2, k3, k4, v0, v1, v2, v3, v4,
     K_Z, V_Z,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, FLAG: tl.constexpr,
     K_KIND: tl.constexpr, K_G: tl.constexpr, K_KO: tl.constexpr, K_ZSCORE: tl.constexpr, K_MIN_T: tl.constexpr,
     K_T0: tl.constexpr, K_T1: tl.constexpr, K_T2: tl.constexpr, K_T3: tl.constexpr, K_NT: tl.constexpr,
     V_KIND: tl.constexpr, V_G: tl.constexpr, V_KO: tl.constexpr, V_ZSCORE: tl.constexpr, V_MIN_T: tl.constexpr,
@@ -165,6 +173,11 @@ def _store_kv_kernel(
     in_range = r < num_rows
     slot = tl.load(slot_ptr + r // H, mask=in_range, other=-1).to(tl.int64)
     valid = in_range & (slot >= 0)  # negative slots (padding) are skipped
+    if FLAG:
+        # a vector with NaN/Inf in K or V is not written; its token is flagged for the runner
+        bad = _nonfinite_rows(k_ptr, r, valid, D) | _nonfinite_rows(v_ptr, r, valid, D)
+        tl.store(flag_ptr + r // H, 1, mask=valid & bad)
+        valid = valid & ~bad
     prow = slot * H + r % H
     _store_one(k_ptr, prow, r, valid, k0, k1, k2, k3, k4, BLOCK_R, D, K_KIND, K_G, K_KO, K_ZSCORE, K_Z,
                K_MIN_T, K_T0, K_T1, K_T2, K_T3, K_NT)
@@ -200,8 +213,11 @@ def store_kv(
     check_finite: bool = True,
     block_r: int | None = None,
     num_warps: int = 4,
+    nonfinite: torch.Tensor | None = None,  # [num_tokens] int32
 ) -> None:
-    """Write K/V into their slots. Quantized formats refuse NaN/Inf before writing anything (a
+    """Write K/V into their slots. With `nonfinite` (the engine's way: no device sync), a (token,
+    head) vector whose K or V holds NaN/Inf is not written and nonfinite[token] is set to 1, in any
+    format. Without it, quantized formats refuse NaN/Inf before writing anything (ValueError, a
     device sync) unless check_finite=False."""
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ"
@@ -216,15 +232,17 @@ def store_kv(
     assert paged.is_pow2(head_dim) and paged.is_pow2(block_r), f"head_dim {head_dim} and block_r must be powers of two"
     if num_tokens == 0:
         return
-    if check_finite and {paged.page_kind(k_pages), paged.page_kind(v_pages)} & {paged.FP8, paged.FP4}:
+    if nonfinite is not None:
+        assert nonfinite.shape[0] >= num_tokens and nonfinite.dtype == torch.int32 and nonfinite.is_contiguous()
+    elif check_finite and {paged.page_kind(k_pages), paged.page_kind(v_pages)} & {paged.FP8, paged.FP4}:
         check_finite_pair(key, value)
     key, value = key.contiguous(), value.contiguous()
     k_ce, k_z = _format_args(k_pages, formats[0], "K")
     v_ce, v_z = _format_args(v_pages, formats[1], "V")
     _store_kv_kernel[(triton.cdiv(num_rows, block_r),)](
-        key, value, slot_mapping, num_rows,
+        key, value, slot_mapping, num_rows, slot_mapping if nonfinite is None else nonfinite,
         *paged.page_args(k_pages), *paged.page_args(v_pages), k_z, v_z,
-        H=num_kv_heads, D=head_dim, BLOCK_R=block_r, **k_ce, **v_ce,
+        H=num_kv_heads, D=head_dim, BLOCK_R=block_r, FLAG=nonfinite is not None, **k_ce, **v_ce,
         num_warps=num_warps, enable_fp_fusion=False,
     )
 

@@ -239,7 +239,7 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv_cache.store(self.layer_idx, k, v, meta.slot_mapping)
+        kv_cache.store(self.layer_idx, k, v, meta.slot_mapping, meta.nonfinite)
         o = kv_cache.attention(self.layer_idx, q, meta, self.scale)  # [T, heads, head_dim]
         return all_reduce(self.o_proj(o.reshape(T, self.num_heads * self.head_dim)), self.tp_size)  # [T, hidden]
 

@@ -1,0 +1,124 @@
+"""CUDA-graph decode on a GPU: replaying the captured graphs gives the tokens eager steps give.
+
+Skipped without CUDA (CI has none); run on the GPU machine with
+`TRITON_INTERPRET=0 python3 -m pytest -q tests/test_engine_gpu.py`. The model is stories260K
+copied exactly into head_dim-128 shapes (app/engine/widen.py), so greedy tokens have the trained
+model's margins and the kernels (Gluon fp4 decode included) serve the cache.
+"""
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+
+from app import LLM, SamplingParams
+from app.engine.loader import DUMMY_MODELS, load_model
+from app.engine.models.llama import LlamaConfig
+from app.engine.model_runner import graph_batch_sizes
+from app.engine.widen import copy_widened, widen_config
+from app.kernels import paged
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or paged.interpreting(),
+                                reason="needs CUDA (and TRITON_INTERPRET unset)")
+
+SHAPES = {
+    "small": LlamaConfig(vocab_size=1, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    "8B": dataclasses.replace(DUMMY_MODELS["llama-3.1-8b"]),
+}
+WORDS = ["Once upon a time", "The little dog", "Lily and Tom", "One day, a big bear", "Tim had a red car",
+         "The sun was hot", "Sue wanted to bake", "Max was sad", "A cat sat", "The bird flew"]
+
+
+def _widened(stories_paths, tmp_path, shape, **kw):
+    model_path, tokenizer = stories_paths
+    small, small_config = load_model(model_path)
+    (tmp_path / "config.json").write_text(json.dumps(widen_config(small_config, SHAPES[shape]).to_hf()))
+    llm = LLM(model=str(tmp_path), load_format="dummy", tokenizer=tokenizer, device="cuda", dtype="bfloat16", **kw)
+    copy_widened(small, llm.engine.model)
+    return llm
+
+
+class _Counted:
+    def __init__(self, graph):
+        self.graph, self.replays = graph, 0
+
+    def replay(self):
+        self.replays += 1
+        self.graph.replay()
+
+
+def _run(llm, prompts, params, abort_at):
+    """Step to completion; abort request abort_at[k] after step k. Outputs by request id."""
+    engine = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    done, step = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.token_ids, out.finish_reason)
+        if step in abort_at:
+            for out in engine.abort_request(abort_at[step]):
+                done[out.request_id] = (out.token_ids, out.finish_reason)
+        step += 1
+    return done
+
+
+@pytest.mark.parametrize("shape", ["small", "8B"])
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp4"])
+def test_graph_replay_equals_eager(stories_paths, tmp_path, shape, kv_cache_dtype):
+    """Greedy and seeded tokens with decode graphs equal enforce_eager's, every bucket replayed,
+    with preemption (a small cache) and aborts mid-run."""
+    rng = random.Random(0)
+    prompts = [rng.choice(WORDS) + " " + rng.choice(WORDS) for _ in range(24)]
+    params = [SamplingParams(temperature=0 if i % 4 else 0.7, seed=i, max_tokens=rng.randrange(8, 64),
+                             ignore_eos=True) for i in range(24)]
+    abort_at = {6: "r3", 20: "r10"}
+    kw = dict(kv_cache_dtype=kv_cache_dtype, max_num_seqs=16, num_kv_blocks=20, block_size=16,
+              max_model_len=256, enable_prefix_caching=True)
+    results = {}
+    for eager in (True, False):
+        llm = _widened(stories_paths, tmp_path, shape, enforce_eager=eager, **kw)
+        runner = llm.engine.executor.runner
+        assert bool(runner.graphs) != eager, runner.graphs_disabled_reason
+        counted = {}
+        for size, (graph, logits) in list(runner.graphs.items()):
+            counted[size] = _Counted(graph)
+            runner.graphs[size] = (counted[size], logits)
+        results[eager] = _run(llm, prompts, params, abort_at)
+        assert llm.engine.scheduler.num_preemptions_total > 0
+        assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_kv_blocks
+        if not eager:
+            assert sorted(counted) == graph_batch_sizes(16)
+            assert all(c.replays for c in counted.values()), {s: c.replays for s, c in counted.items()}
+        del llm, runner
+        torch.cuda.empty_cache()
+    assert results[True] == results[False]
+
+
+def test_nonfinite_kv_fails_one_request_on_gpu(stories_paths, tmp_path):
+    """A NaN in one request's K/V (a poisoned embedding row of its prompt) fails that request with
+    finish_reason 'error' through the store kernel's flags; the others, batched with it and then
+    decoded by graph replay, give the tokens they give alone; no block leaks."""
+    llm = _widened(stories_paths, tmp_path, "small", kv_cache_dtype="fp4", max_num_seqs=8, num_kv_blocks=64,
+                   max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [llm.tokenizer.encode(w) for w in WORDS[:3]]
+    alone = [o.token_ids for o in llm.generate(prompts, params)]
+    # a token neither the prompts nor their continuations use, so only the poisoned request meets it
+    used = {t for ids in prompts + alone for t in ids}
+    poison = next(t for t in range(llm.engine.vocab_size - 1, 0, -1) if t not in used)
+    model = llm.engine.model
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untie: only its input
+    with torch.no_grad():
+        model.model.embed_tokens.weight[poison] = float("nan")
+    runner = llm.engine.executor.runner
+    runner.graphs = {}
+    runner.capture_graphs()  # graphs hold the old lm_head weight's address
+    outs = llm.generate(prompts + [prompts[0][:2] + [poison] + prompts[1]], params)
+    assert [o.token_ids for o in outs[:3]] == alone
+    assert outs[3].finish_reason == "error" and "non-finite" in outs[3].error
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_kv_blocks

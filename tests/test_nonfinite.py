@@ -1,0 +1,60 @@
+"""NaN/Inf in one request's K/V or logits fails that request only (no device sync in the store).
+
+The store flags the tokens whose K or V is not finite (and does not write them); the runner reads
+the flags with the sampled tokens and the engine finishes those requests with finish_reason
+"error". A poisoned embedding row stands for a request whose activations overflow.
+"""
+
+import pytest
+import torch
+
+from app import LLM, SamplingParams
+from app.kernels.store_kv import store_kv
+from tests.kernels_testing import page_bits, random_pages
+
+WORDS = ["Once upon a time", "The little dog", "Lily and Tom"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp4", "fp8", "fp32"])
+def test_nonfinite_kv_fails_only_its_request(stories_paths, kv_cache_dtype):
+    model, tokenizer = stories_paths
+    llm = LLM(model=model, tokenizer=tokenizer, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64, max_num_seqs=8)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [llm.tokenizer.encode(w) for w in WORDS]
+    alone = [o.token_ids for o in llm.generate(prompts, params)]
+    used = {t for ids in prompts + alone for t in ids}
+    poison = next(t for t in range(llm.engine.vocab_size - 1, 0, -1) if t not in used)
+    m = llm.engine.model
+    m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach().clone())  # untie: poison the input only
+    with torch.no_grad():
+        m.model.embed_tokens.weight[poison] = float("nan")
+    outs = llm.generate(prompts + [prompts[0][:2] + [poison] + prompts[1]], params)
+    assert [o.token_ids for o in outs[:3]] == alone
+    assert [o.finish_reason for o in outs] == ["length"] * 3 + ["error"]
+    assert outs[3].error == "non-finite (NaN/Inf) values in its keys/values"
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_kv_blocks
+    # the engine goes on serving
+    assert [o.token_ids for o in llm.generate(prompts, params)] == alone
+
+
+def test_store_kernel_flags_and_skips_nonfinite_vectors():
+    """Under the interpreter: with flags, the kernel writes the finite tokens as without them, leaves
+    the non-finite (token, head) vectors' slots untouched, flags exactly those tokens, raises nothing."""
+    k_pages, v_pages, formats = random_pages("fp4", 4, 16, 2, 64)
+    before = [t.clone() for t in page_bits(k_pages) + page_bits(v_pages)]
+    ref_k, ref_v, _ = random_pages("fp4", 4, 16, 2, 64)
+    torch.manual_seed(0)
+    key, value = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    slots = torch.tensor([3, 9, 17, 40, 41])
+    value[1, 0, 7] = float("nan")
+    key[3, 1, 0] = float("inf")
+    flags = torch.zeros(8, dtype=torch.int32)
+    store_kv(key, value, slots, k_pages, v_pages, formats, nonfinite=flags)
+    assert flags.tolist() == [0, 1, 0, 1, 0, 0, 0, 0]
+    good = torch.tensor([0, 2, 4])
+    store_kv(key[good], value[good], slots[good], ref_k, ref_v, formats)
+    rows = lambda t: t.view(4 * 16, 2, -1)  # [slot, head, bytes]
+    for got, ref, old in zip(page_bits(k_pages) + page_bits(v_pages), page_bits(ref_k) + page_bits(ref_v), before):
+        got, ref, old = rows(got), rows(ref), rows(old)
+        assert torch.equal(got[slots[good]], ref[slots[good]])
+        assert torch.equal(got[9, 0], old[9, 0]) and torch.equal(got[40, 1], old[40, 1])
