@@ -74,6 +74,10 @@ def load_model(
     with torch.device("meta"):
         module = LlamaForCausalLM(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
     module = module.to_empty(device=device)
+    # q/k/v and gate/up as one weight each (their HF names stay, as views the loaders fill); the
+    # small per-token ops as fused kernels where they run (CUDA, a power-of-two head_dim)
+    module.fuse_projections()
+    module.use_layer_kernels(device.type == "cuda" and config.head_dim & (config.head_dim - 1) == 0)
     module.tie_weights()
     with torch.no_grad():
         if load is None or load_format == "dummy":

@@ -126,12 +126,12 @@ def _store_fp4(x, prow, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: tl.conste
 
 
 @triton.jit
-def _store_one(x_ptr, prow, r, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: tl.constexpr,
+def _store_one(x_ptr, prow, off, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: tl.constexpr,
                KIND: tl.constexpr, G: tl.constexpr, KO: tl.constexpr, ZSCORE: tl.constexpr, Z,
                MIN_T: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr,
                NT: tl.constexpr):
     d = tl.arange(0, D)
-    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    x = tl.load(x_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     if KIND == 0:
         if p0.dtype.element_ty == tl.bfloat16 and x.dtype != tl.bfloat16:
             x = paged.to_bf16(x.to(tl.float32))
@@ -151,16 +151,16 @@ def _store_one(x_ptr, prow, r, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: tl
 
 
 @triton.jit
-def _nonfinite_rows(x_ptr, r, mask, D: tl.constexpr):
-    """[R] True where row r of x [rows, D] holds a NaN or an Inf (x - x is NaN exactly there)."""
+def _nonfinite_rows(x_ptr, off, mask, D: tl.constexpr):
+    """[R] True where the vectors at element offsets off [R] hold a NaN or an Inf (x - x is NaN exactly there)."""
     d = tl.arange(0, D)
-    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * D + d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + off[:, None] + d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
     return tl.max(((x - x) != 0.0).to(tl.int32), 1) > 0
 
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, slot_ptr, num_rows, flag_ptr,
+    k_ptr, v_ptr, slot_ptr, num_rows, flag_ptr, stride_k, stride_v,
     k0, k1, k2, k3, k4, v0, v1, v2, v3, v4,
     K_Z, V_Z,
     H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, FLAG: tl.constexpr,
@@ -173,15 +173,18 @@ def _store_kv_kernel(
     in_range = r < num_rows
     slot = tl.load(slot_ptr + r // H, mask=in_range, other=-1).to(tl.int64)
     valid = in_range & (slot >= 0)  # negative slots (padding) are skipped
+    # element offsets of each (token, head) vector: token rows may be strided (views of a fused QKV)
+    k_off = (r // H).to(tl.int64) * stride_k + (r % H) * D
+    v_off = (r // H).to(tl.int64) * stride_v + (r % H) * D
     if FLAG:
         # a vector with NaN/Inf in K or V is not written; its token is flagged for the runner
-        bad = _nonfinite_rows(k_ptr, r, valid, D) | _nonfinite_rows(v_ptr, r, valid, D)
+        bad = _nonfinite_rows(k_ptr, k_off, valid, D) | _nonfinite_rows(v_ptr, v_off, valid, D)
         tl.store(flag_ptr + r // H, 1, mask=valid & bad)
         valid = valid & ~bad
     prow = slot * H + r % H
-    _store_one(k_ptr, prow, r, valid, k0, k1, k2, k3, k4, BLOCK_R, D, K_KIND, K_G, K_KO, K_ZSCORE, K_Z,
+    _store_one(k_ptr, prow, k_off, valid, k0, k1, k2, k3, k4, BLOCK_R, D, K_KIND, K_G, K_KO, K_ZSCORE, K_Z,
                K_MIN_T, K_T0, K_T1, K_T2, K_T3, K_NT)
-    _store_one(v_ptr, prow, r, valid, v0, v1, v2, v3, v4, BLOCK_R, D, V_KIND, V_G, V_KO, V_ZSCORE, V_Z,
+    _store_one(v_ptr, prow, v_off, valid, v0, v1, v2, v3, v4, BLOCK_R, D, V_KIND, V_G, V_KO, V_ZSCORE, V_Z,
                V_MIN_T, V_T0, V_T1, V_T2, V_T3, V_NT)
 
 
@@ -236,11 +239,13 @@ def store_kv(
         assert nonfinite.shape[0] >= num_tokens and nonfinite.dtype == torch.int32 and nonfinite.is_contiguous()
     elif check_finite and {paged.page_kind(k_pages), paged.page_kind(v_pages)} & {paged.FP8, paged.FP4}:
         check_finite_pair(key, value)
-    key, value = key.contiguous(), value.contiguous()
+    # token rows may be strided (views of a fused QKV projection); each (token, head) vector is contiguous
+    key, value = (x if x.stride(2) == 1 and x.stride(1) == head_dim else x.contiguous() for x in (key, value))
     k_ce, k_z = _format_args(k_pages, formats[0], "K")
     v_ce, v_z = _format_args(v_pages, formats[1], "V")
     _store_kv_kernel[(triton.cdiv(num_rows, block_r),)](
         key, value, slot_mapping, num_rows, slot_mapping if nonfinite is None else nonfinite,
+        key.stride(0), value.stride(0),
         *paged.page_args(k_pages), *paged.page_args(v_pages), k_z, v_z,
         H=num_kv_heads, D=head_dim, BLOCK_R=block_r, FLAG=nonfinite is not None, **k_ce, **v_ce,
         num_warps=num_warps, enable_fp_fusion=False,

@@ -25,6 +25,7 @@ from torch import nn
 
 from app.engine.attention import AttentionMetadata
 from app.engine.kv_cache import KVCache
+from app.kernels.layer_ops_ref import apply_rope, rms_norm_ref, rope_qk_ref, silu_and_mul_ref  # noqa: F401 (apply_rope: re-exported)
 
 ROPE_TYPES = ("llama3", "linear")
 _ROPE_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -196,28 +197,30 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotate-half RoPE: x [T, heads, head_dim], cos/sin [T, head_dim] float32."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
+        self.use_kernels = False  # app/kernels/layer_ops.py's fused kernel (CUDA)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [T, hidden] -> its norm; with residual: (norm(x + residual), x + residual)."""
+        if self.use_kernels:
+            from app.kernels.layer_ops import rms_norm
+
+            y, h = rms_norm(x, self.weight, self.eps, residual)
+        else:
+            y, h = rms_norm_ref(x, self.weight, self.eps, residual)
+        return y if residual is None else (y, h)
 
 
 class LlamaAttention(nn.Module):
-    """This rank's heads: num_attention_heads / tp_size query heads and their KV heads."""
+    """This rank's heads: num_attention_heads / tp_size query heads and their KV heads.
+
+    q/k/v keep their HF parameters; after `fuse_projections` they are views of one [q + 2 kv,
+    hidden] weight and the layer runs one GEMM for all three.
+    """
 
     def __init__(self, config: LlamaConfig, layer_idx: int, dtype: torch.dtype | None = None, tp_size: int = 1) -> None:
         super().__init__()
@@ -232,20 +235,33 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, kv_size, bias=False, dtype=dtype)
         self.v_proj = nn.Linear(h, kv_size, bias=False, dtype=dtype)
         self.o_proj = nn.Linear(q_size, h, bias=False, dtype=dtype)
+        self.qkv_weight: torch.Tensor | None = None  # [q + 2 kv, hidden], set by fuse_projections
+        self.use_kernels = False
+
+    def fuse_projections(self) -> None:
+        self.qkv_weight = _fuse(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, heads, head_dim]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight)  # [T, (H + 2K) * D]
+        else:
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        if self.use_kernels:
+            from app.kernels.layer_ops import rope_qk
+
+            q, k = rope_qk(qkv, cos, sin, H, K)  # [T, H, D], [T, K, D]
+        else:
+            q, k = rope_qk_ref(qkv, cos, sin, H, K)
+        v = qkv[:, (H + K) * D:].view(T, K, D)  # [T, K, D], rows strided
         kv_cache.store(self.layer_idx, k, v, meta.slot_mapping, meta.nonfinite)
         o = kv_cache.attention(self.layer_idx, q, meta, self.scale)  # [T, heads, head_dim]
-        return all_reduce(self.o_proj(o.reshape(T, self.num_heads * self.head_dim)), self.tp_size)  # [T, hidden]
+        return all_reduce(self.o_proj(o.reshape(T, H * D)), self.tp_size)  # [T, hidden]
 
 
 class LlamaMLP(nn.Module):
-    """This rank's intermediate_size / tp_size MLP columns."""
+    """This rank's intermediate_size / tp_size MLP columns (gate and up fused like q/k/v)."""
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype | None = None, tp_size: int = 1) -> None:
         super().__init__()
@@ -254,9 +270,36 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
+        self.gate_up_weight: torch.Tensor | None = None  # [2 i, hidden], set by fuse_projections
+        self.use_kernels = False
+
+    def fuse_projections(self) -> None:
+        self.gate_up_weight = _fuse(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.tp_size)
+        if self.gate_up_weight is not None:
+            gate_up = F.linear(x, self.gate_up_weight)  # [T, 2 i]
+        else:
+            gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
+        if self.use_kernels:
+            from app.kernels.layer_ops import silu_and_mul
+
+            act = silu_and_mul(gate_up)
+        else:
+            act = silu_and_mul_ref(gate_up)
+        return all_reduce(self.down_proj(act), self.tp_size)
+
+
+def _fuse(*linears: nn.Linear) -> torch.Tensor:
+    """One weight holding the linears' weights stacked by rows; each linear's weight becomes a view
+    of its rows (so loaders that copy_ into the HF names fill the fused weight)."""
+    fused = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[row:row + n], requires_grad=lin.weight.requires_grad)
+        row += n
+    return fused
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -267,9 +310,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype, tp_size)
 
-    def forward(self, h, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
+    def forward(self, h, residual, cos, sin, kv_cache: KVCache, meta: AttentionMetadata):
+        """(h, residual) -> (h', residual'): the residual stream is residual + h, summed inside the
+        next norm (h + residual in the activation dtype, as a plain add would)."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual  # [T, hidden] each
 
 
 class LlamaModel(nn.Module):
@@ -287,10 +337,12 @@ class LlamaModel(nn.Module):
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         cos, sin = rope_cos_sin(self.inv_freq, positions)  # [T, head_dim] float32 each
-        h = self.embed_tokens(input_ids)  # [T, hidden]
+        h, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:
-            h = layer(h, cos, sin, kv_cache, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.norm(h)
+        return self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -306,6 +358,20 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, dtype, tp_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.tie_weights()
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up into one weight each (call before loading weights: the HF-named
+        parameters become views of the fused ones, which the loaders fill)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+
+    def use_layer_kernels(self, enabled: bool) -> None:
+        """Run RMSNorm, RoPE and SiLU-and-mul as app/kernels/layer_ops.py's kernels (CUDA, or the
+        Triton interpreter in tests; head_dim a power of two), else in torch."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+                module.use_kernels = enabled
 
     def tie_weights(self) -> None:
         """Share embed_tokens' weight with lm_head when tied (call again after to_empty)."""
