@@ -58,3 +58,41 @@ def test_store_kernel_flags_and_skips_nonfinite_vectors():
         got, ref, old = rows(got), rows(ref), rows(old)
         assert torch.equal(got[slots[good]], ref[slots[good]])
         assert torch.equal(got[9, 0], old[9, 0]) and torch.equal(got[40, 1], old[40, 1])
+
+
+def test_a_failed_request_is_a_500_request_failed_and_a_typed_error_over_the_async_engine(stories_paths):
+    """How the failure reaches callers: AsyncLLMEngine raises RequestFailedError in that request's
+    stream only (the other stream finishes); the serving layer maps it to an OpenAI 500 error."""
+    import asyncio
+
+    from app.deployments.errors import to_openai_error
+    from app.engine.async_engine import AsyncLLMEngine
+    from app.engine.errors import RequestFailedError
+
+    model, tokenizer = stories_paths
+    engine = AsyncLLMEngine(engine=LLM(model=model, tokenizer=tokenizer, kv_cache_dtype="fp4", num_kv_blocks=64).engine)
+    try:
+        llm_engine = engine.engine
+        m = llm_engine.model
+        m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach().clone())
+        poison = llm_engine.vocab_size - 1
+        with torch.no_grad():
+            m.model.embed_tokens.weight[poison] = float("nan")
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        good = llm_engine.tokenizer.encode("Once upon a time")
+
+        async def consume(prompt):
+            outs = [o async for o in engine.generate(prompt, params)]
+            return outs[-1]
+
+        async def both():
+            return await asyncio.gather(consume(good), consume(good[:2] + [poison]), return_exceptions=True)
+
+        ok, failed = asyncio.run(both())
+        assert ok.finish_reason == "length" and len(ok.token_ids) == 8
+        assert isinstance(failed, RequestFailedError) and "non-finite" in str(failed)
+        assert not engine.is_dead
+        err = to_openai_error(failed, {}, 1)
+        assert err.status_code == 500 and err.code == "request_failed"
+    finally:
+        engine.shutdown()

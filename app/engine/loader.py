@@ -18,6 +18,7 @@ generator and then sliced, so every tp_size yields shards of the same full model
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import struct
 from collections.abc import Callable
@@ -77,7 +78,8 @@ def load_model(
     # q/k/v and gate/up as one weight each (their HF names stay, as views the loaders fill); the
     # small per-token ops as fused kernels where they run (CUDA, a power-of-two head_dim)
     module.fuse_projections()
-    module.use_layer_kernels(device.type == "cuda" and config.head_dim & (config.head_dim - 1) == 0)
+    module.use_layer_kernels(device.type == "cuda" and importlib.util.find_spec("triton") is not None
+                             and config.head_dim & (config.head_dim - 1) == 0)
     module.tie_weights()
     with torch.no_grad():
         if load is None or load_format == "dummy":
