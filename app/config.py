@@ -209,6 +209,21 @@ class ServerConfig(BaseModel):
         description="Accepted API keys (Authorization: Bearer <key>). Also read from the env var APP_API_KEYS "
         "(comma-separated). None set: no authentication.",
     )
+    request_timeout_s: float | None = Field(
+        600.0, gt=0, description="Deadline of a request from its arrival at a replica: past it the request is "
+        "aborted (its KV blocks freed) and the client gets a 504 (or an error event mid-stream). None: no deadline.",
+    )
+    step_timeout_s: float | None = Field(
+        300.0, gt=0, description="A replica's health check fails while one engine step has run longer than this "
+        "(a stuck device or worker), so Ray Serve replaces it. None: never.",
+    )
+    max_request_body_bytes: int = Field(
+        4 * 2**20, ge=1024, description="Largest HTTP request body the ingress reads; larger ones get 413 "
+        "before they are parsed.",
+    )
+    metrics_require_api_key: bool = Field(
+        False, description="Serve /metrics only to requests with one of api_keys (when keys are set).",
+    )
     kv_events_period_s: float = Field(
         0.1, gt=0, description="How often a replica publishes its batched KV events (for the KV-aware router)."
     )

@@ -145,3 +145,101 @@ def test_failed_step_fails_streams_and_health(stories_paths):
             eng.check_health()
     finally:
         eng.shutdown()
+
+
+# -- no hangs: deadlines, shutdown, a stuck step, a seed no generator takes ----------------------
+def _stories_engine(stories_paths, **kw):
+    model, tok = stories_paths
+    return AsyncLLMEngine(engine=LLMEngine(model=model, tokenizer=tok, num_kv_blocks=64), **kw)
+
+
+def test_a_request_past_its_deadline_is_aborted_and_its_blocks_freed(stories_paths):
+    from app.engine.errors import RequestTimeoutError
+
+    eng = _stories_engine(stories_paths, request_timeout_s=0.3)
+    try:
+        free = eng.engine.kv_manager.num_free_blocks
+        real_step = eng.engine.step
+
+        def slow_step():  # each step takes 0.1 s: 200 tokens cannot finish in 0.3 s
+            import time
+
+            time.sleep(0.1)
+            return real_step()
+
+        eng.engine.step = slow_step
+        with pytest.raises(RequestTimeoutError, match="deadline"):
+            asyncio.run(_collect(eng, "Once upon a time", SamplingParams(temperature=0, max_tokens=200)))
+        eng.engine.step = real_step
+        for _ in range(100):
+            if not eng.engine.has_unfinished_requests():
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        assert eng.engine.kv_manager.num_free_blocks == free and not eng.is_dead
+        outs = asyncio.run(_collect(eng, "One day", SamplingParams(temperature=0, max_tokens=4)))
+        assert outs[-1].finish_reason == "length"
+    finally:
+        eng.shutdown()
+
+
+def test_a_deadline_holds_even_when_the_engine_thread_is_stuck(stories_paths):
+    """The caller's own timer ends the stream: a step that never returns cannot hang a client."""
+    import threading
+
+    from app.engine.errors import RequestTimeoutError
+
+    eng = _stories_engine(stories_paths, request_timeout_s=0.3, step_timeout_s=0.2)
+    release = threading.Event()
+    real_step = eng.engine.step
+    eng.engine.step = lambda: (release.wait(10), real_step())[1]
+    try:
+        with pytest.raises(RequestTimeoutError):
+            asyncio.run(_collect(eng, "Once upon a time", SamplingParams(max_tokens=4)))
+        # the watchdog: a step running past step_timeout_s fails the health check
+        with pytest.raises(EngineDeadError, match="step_timeout_s"):
+            eng.check_health()
+    finally:
+        release.set()
+        eng.engine.step = real_step
+        eng.shutdown()
+
+
+def test_shutdown_fails_open_streams(stories_paths):
+    eng = _stories_engine(stories_paths)
+
+    async def main():
+        agen = eng.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+        await anext(agen)
+        await asyncio.get_running_loop().run_in_executor(None, eng.shutdown)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in agen:
+                pass
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+    with pytest.raises(EngineDeadError):
+        asyncio.run(_collect(eng, "One day", SamplingParams(max_tokens=2)))
+
+
+def test_a_seed_no_generator_takes_fails_only_its_request(stories_paths):
+    """Validation refuses seeds past 64 bits; if one got through anyway (here: set after validation),
+    the runner fails that request alone instead of the engine loop."""
+    from app.engine.errors import RequestFailedError
+    from app.engine.sampling_params import SamplingParamsError
+
+    with pytest.raises(SamplingParamsError, match="64-bit"):
+        SamplingParams(seed=2 ** 64)
+    eng = _stories_engine(stories_paths)
+    try:
+        bad = SamplingParams(temperature=0.7, max_tokens=8)
+        bad.seed = 2 ** 64
+        good = SamplingParams(temperature=0, max_tokens=8)
+
+        async def main():
+            return await asyncio.gather(_collect(eng, "Once upon a time", bad), _collect(eng, "One day", good),
+                                        return_exceptions=True)
+
+        failed, ok = asyncio.run(main())
+        assert isinstance(failed, RequestFailedError) and "seed" in str(failed)
+        assert ok[-1].finish_reason == "length" and not eng.is_dead
+    finally:
+        eng.shutdown()

@@ -319,3 +319,18 @@ def test_duplicate_request_id_is_refused_and_changes_nothing(stories_paths):
     while engine.has_unfinished_requests():
         outs.extend(engine.step())
     assert [o.request_id for o in outs if o.finished] == ["dup"] and outs[-1].prompt == "Once"
+
+
+def test_unread_kv_events_are_bounded(monkeypatch, stories_paths):
+    """Nobody drains the offline engine's KV events: they stop growing at MAX_PENDING_KV_EVENTS."""
+    import app.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MAX_PENDING_KV_EVENTS", 5)
+    model, tok = stories_paths
+    engine = engine_module.LLMEngine(model=model, tokenizer=tok, num_kv_blocks=64, block_size=4)
+    for i in range(6):
+        engine.add_request(f"r{i}", f"Once upon a time {i} there was", SamplingParams(temperature=0, max_tokens=12))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_kv_events_dropped > 0
+    assert len(engine.take_kv_events()) == 5 and engine.take_kv_events() == []

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from app.deployments.llm_server import ModelInfo
+from app.deployments.types import ModelInfo
 from app.deployments.protocol import BadRequestError, CompletionStreamResponse
 from app.deployments.serving import OpenAIServing
 from app.engine.block_hash import hash_request_tokens

@@ -18,16 +18,19 @@ from serve_testing import local_serve, run_apps
 TINY = "tiny-llama"
 MAX_MODEL_LEN = 512
 KEY = "sk-test-key"
+MAX_BODY = 65536
 
 
 @pytest.fixture(scope="module")
 def base_url():
     with local_serve() as url:
         run_apps(
-            ({"engine": {"num_kv_blocks": 128, "max_model_len": MAX_MODEL_LEN}}, "tiny", "/"),
+            ({"engine": {"num_kv_blocks": 128, "max_model_len": MAX_MODEL_LEN}, "max_request_body_bytes": MAX_BODY},
+             "tiny", "/"),
             ({"engine": {"num_kv_blocks": 128, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 1},
               "max_queued_requests": 1, "retry_after_s": 2}, "busy", "/busy"),
-            ({"engine": {"num_kv_blocks": 64, "max_model_len": MAX_MODEL_LEN}, "api_keys": [KEY]}, "secure", "/secure"),
+            ({"engine": {"num_kv_blocks": 64, "max_model_len": MAX_MODEL_LEN}, "api_keys": [KEY],
+              "metrics_require_api_key": True}, "secure", "/secure"),
         )
         yield url
 
@@ -90,6 +93,11 @@ BAD_REQUESTS = {
     "prompt + max_tokens too long": (COMPLETIONS, completion(prompt="x" * 100, max_tokens=500), 400, None,
                                      ["101", "500", str(MAX_MODEL_LEN)]),
     "echo": (COMPLETIONS, completion(echo=True), 400, "echo", ["not supported"]),
+    # a seed past 64 bits once passed validation and killed the replica's engine loop
+    "seed 2**64": (COMPLETIONS, completion(seed=2 ** 64), 400, "seed", ["64-bit", str(2 ** 64)]),
+    "seed below -2**63 (chat)": (CHAT, chat(seed=-(2 ** 63) - 1), 400, "seed", ["64-bit"]),
+    "too many stop strings": (COMPLETIONS, completion(stop=[f"s{i}" for i in range(33)]), 400, "stop", ["32", "33"]),
+    "stop string too long": (CHAT, chat(stop=["x" * 257]), 400, "stop", ["256", "257"]),
     "presence_penalty": (CHAT, chat(presence_penalty=1.0), 400, "presence_penalty", ["not supported"]),
 }
 
@@ -111,6 +119,16 @@ def test_bad_request_gets_an_openai_error_and_the_server_keeps_serving(http, cas
         assert word in error["message"], error["message"]
     good = http.post(COMPLETIONS, json=completion())
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_body_past_the_limit_is_413_before_it_is_parsed(http):
+    for send in ({"json": completion(prompt="x" * MAX_BODY)},  # refused by its Content-Length
+                 {"content": iter([b'{"model": "tiny-llama", "prompt": "', b"x" * MAX_BODY, b'"}'])}):  # chunked
+        r = http.post(COMPLETIONS, headers={"content-type": "application/json"}, **send)
+        assert r.status_code == 413, r.text
+        error = r.json()["error"]
+        assert error["code"] == "request_too_large" and str(MAX_BODY) in error["message"]
+    assert http.post(COMPLETIONS, json=completion()).status_code == 200
 
 
 def test_streaming_bad_request_is_refused_before_the_stream(http):
@@ -165,7 +183,10 @@ def test_api_key_is_required_when_configured(base_url):
         ok = {"Authorization": f"Bearer {KEY}"}
         assert client.get("/v1/models", headers=ok).status_code == 200
         assert client.post(COMPLETIONS, json=completion(), headers=ok).status_code == 200
-        assert client.get("/health").status_code == 200  # probes need no key
+        health = client.get("/health")  # probes need no key
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+        assert client.get("/metrics").status_code == 401  # metrics_require_api_key
+        assert "llm_requests_total" in client.get("/metrics", headers=ok).text
     good = openai.OpenAI(base_url=f"{base_url}/secure/v1", api_key=KEY, max_retries=0)
     assert good.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "hi"}],
                                         max_tokens=2).usage.completion_tokens >= 1

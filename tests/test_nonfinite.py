@@ -96,3 +96,24 @@ def test_a_failed_request_is_a_500_request_failed_and_a_typed_error_over_the_asy
         assert err.status_code == 500 and err.code == "request_failed"
     finally:
         engine.shutdown()
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_event_and_done():
+    """Any exception mid-stream (not only the mapped ones) becomes an OpenAI error event, then [DONE]."""
+    import asyncio
+    import json
+
+    from app.deployments.ingress import _sse_events
+    from app.deployments.protocol import ErrorInfo
+
+    async def items():
+        yield ErrorInfo(message="first", type="x")
+        raise KeyError("boom")
+
+    async def main():
+        return [e async for e in _sse_events(ErrorInfo(message="zero", type="x"), items())]
+
+    events = asyncio.run(main())
+    assert events[-1] == "data: [DONE]\n\n" and len(events) == 4
+    error = json.loads(events[2][len("data: "):])["error"]
+    assert error["type"] == "server_error" and error["code"] == "internal_error" and "boom" in error["message"]

@@ -14,7 +14,9 @@ from pydantic import BaseModel, ValidationError
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from app.deployments.protocol import BadRequestError, InternalServerError, OpenAIError, ServiceUnavailableError
+from app.deployments.protocol import (BadRequestError, InternalServerError, OpenAIError, RequestTimeoutError,
+                                      ServiceUnavailableError)
+from app.engine import errors as engine_errors
 from app.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError
 
 _LEADING_NAME = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)")
@@ -39,6 +41,8 @@ def to_openai_error(e: BaseException, fields: dict[str, str], retry_after_s: int
                                        retry_after_s=retry_after_s)
     if isinstance(cause, RequestFailedError):
         return InternalServerError(f"the request failed: {message}")
+    if isinstance(cause, engine_errors.RequestTimeoutError):
+        return RequestTimeoutError(message)
     if isinstance(cause, (EngineDeadError, RayActorError)):
         return ServiceUnavailableError(f"the engine is unavailable ({message}); retry later",
                                        code="engine_unavailable", retry_after_s=retry_after_s)

@@ -31,7 +31,9 @@ from app.deployments.protocol import (
     BadRequestError,
     ChatCompletionRequest,
     CompletionRequest,
+    InternalServerError,
     OpenAIError,
+    RequestTooLargeError,
 )
 from app.deployments.serving import CHAT, COMPLETIONS, OpenAIServing, last_item
 
@@ -65,7 +67,31 @@ async def _sse_events(first: BaseModel, items: AsyncIterator[BaseModel]) -> Asyn
                 yield f"data: {item.model_dump_json()}\n\n"
         except OpenAIError as e:
             yield f"data: {e.to_response().model_dump_json()}\n\n"
+        except Exception as e:  # whatever failed, the client gets an error event and [DONE]
+            logger.exception("stream failed")
+            yield f"data: {_internal_error(e).to_response().model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def _internal_error(e: BaseException) -> InternalServerError:
+    return InternalServerError(f"internal error: {type(e).__name__}: {e}"[:500], code="internal_error")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past `limit` bytes (by Content-Length before reading, or
+    while reading a body sent without one)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise RequestTooLargeError(f"the request body is {int(length)} bytes, more than the {limit} this server "
+                                   "accepts (max_request_body_bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLargeError(f"the request body is more than the {limit} bytes this server accepts "
+                                       "(max_request_body_bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class _SSEResponse(StreamingResponse):
@@ -100,8 +126,9 @@ class OpenAIIngress(OpenAIServing):
     async def _serve_http(self, request: Request, endpoint: str, schema: type[BaseModel], operation) -> Response:
         try:
             self._authorize(request)
+            raw = await read_body(request, self.config.max_request_body_bytes)
             try:
-                body = json.loads(await request.body())
+                body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise BadRequestError(f"the request body is not valid JSON: {e}") from None
             parsed = parse_request(schema, body)
@@ -111,10 +138,16 @@ class OpenAIIngress(OpenAIServing):
         items = operation(parsed, session_id=request.headers.get(SESSION_HEADER))
         try:
             if not parsed.stream:
-                return JSONResponse((await last_item(items)).model_dump(mode="json"))
+                final = await last_item(items)
+                if final is None:
+                    raise InternalServerError("the engine produced no output for this request")
+                return JSONResponse(final.model_dump(mode="json"))
             first = await anext(items)
         except OpenAIError as e:
             return error_response(e)
+        except Exception as e:  # unmapped: still an OpenAI error body, never a bare 500
+            logger.exception("request failed")
+            return error_response(_internal_error(e))
         return _SSEResponse(_sse_events(first, items), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})
 
@@ -137,11 +170,21 @@ class OpenAIIngress(OpenAIServing):
 
     @app.get("/health")
     async def health(self) -> Response:
-        """The ingress is up (Ray Serve health-checks and restarts engine replicas itself)."""
+        """200 while an engine replica answers its health check, else 503 with the reason (probes
+        need no API key)."""
+        try:
+            await asyncio.wait_for(self.llm_server.check_health.remote(), timeout=_STATS_TIMEOUT_S)
+        except Exception as e:
+            return JSONResponse({"status": "unavailable", "error": f"{type(e).__name__}: {e}"[:500]}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def http_metrics(self) -> Response:
+    async def http_metrics(self, request: Request) -> Response:
+        if self.config.metrics_require_api_key:
+            try:
+                self._authorize(request)
+            except OpenAIError as e:
+                return error_response(e)
         try:
             stats = await asyncio.wait_for(self._fetch_stats(), timeout=_STATS_TIMEOUT_S)
             self.metrics.engine.update(stats)

@@ -17,51 +17,20 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from app.config import ServerConfig
 from app.engine.async_engine import AsyncLLMEngine
 from app.engine.engine import RequestOutput
 from app.engine.kv_events import KVEvent
 from app.engine.sampling_params import SamplingParams
+from app.deployments.types import GenerateRequest, KVEventBatch, ModelInfo
 from app.router.events import encode_batch
+
+__all__ = ["LLMServer", "GenerateRequest", "KVEventBatch", "ModelInfo"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_KV_EVENT_BATCHES = 4096  # kept for consumers that poll; older batches are dropped
-
-
-@dataclass(slots=True)
-class GenerateRequest:
-    """One engine request, as the ingress (or a Python caller) sends it to a replica."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    prompt: str | None = None  # the text, for outputs; the engine only reads the ids
-    session_id: str | None = None  # agent session (x-session-id or `user`), for routing
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the prompt's full blocks
-
-
-@dataclass(slots=True)
-class KVEventBatch:
-    """KV events of one publishing period, numbered so a consumer can detect gaps."""
-
-    seq: int  # 1, 2, 3, ... per replica
-    ts: float  # time.time() when the batch was cut
-    replica_id: str
-    events: list[KVEvent]
-
-
-@dataclass(slots=True)
-class ModelInfo:
-    model_id: str
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    kv_cache_dtype: str
-    tensor_parallel_size: int
-    num_kv_blocks: int
 
 
 class LLMServer:
@@ -86,7 +55,8 @@ class LLMServer:
         self._last_cut = time.monotonic()
         t0 = time.perf_counter()
         self.engine = engine_cls(
-            config.engine, max_queued_requests=config.max_queued_requests, on_kv_events=self._on_kv_events
+            config.engine, max_queued_requests=config.max_queued_requests, on_kv_events=self._on_kv_events,
+            request_timeout_s=config.request_timeout_s, step_timeout_s=config.step_timeout_s
         )
         inner = self.engine.engine
         self.info = ModelInfo(

@@ -84,6 +84,18 @@ class InternalServerError(OpenAIError):
     _defaults = {"status_code": 500, "type": "server_error", "code": "request_failed"}
 
 
+class RequestTimeoutError(OpenAIError):
+    """504: the request ran past its deadline (request_timeout_s) and was aborted."""
+
+    _defaults = {"status_code": 504, "type": "server_error", "code": "timeout"}
+
+
+class RequestTooLargeError(OpenAIError):
+    """413: the request body is larger than max_request_body_bytes."""
+
+    _defaults = {"status_code": 413, "code": "request_too_large"}
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

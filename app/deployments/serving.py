@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app.config import ServerConfig
 from app.deployments.errors import parse_request, to_openai_error
-from app.deployments.llm_server import GenerateRequest, ModelInfo
+from app.deployments.types import GenerateRequest, ModelInfo
 from app.deployments.metrics import IngressMetrics
 from app.deployments.protocol import (
     BadRequestError,

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from app.config import EngineConfig
 from app.engine.engine import LLMEngine, RequestOutput
-from app.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError
+from app.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError,
+                               RequestTimeoutError)
 from app.engine.kv_events import KVEvent
 from app.engine.sampling_params import SamplingParams
 
@@ -43,13 +44,22 @@ class AsyncLLMEngine:
         max_queued_requests: int | None = None,
         engine: LLMEngine | None = None,
         on_kv_events: Callable[[list[KVEvent]], None] | None = None,
+        request_timeout_s: float | None = None,
+        step_timeout_s: float | None = None,
     ) -> None:
         """`max_queued_requests`: most requests waiting for their first step (None: no limit);
         beyond it `generate` raises EngineOverloadedError. `on_kv_events` is called from the engine
-        thread after each step that changed the prefix cache."""
+        thread after each step that changed the prefix cache. `request_timeout_s`: a request still
+        unfinished that long after `generate` was called is aborted and its stream raises
+        RequestTimeoutError (None: no deadline). `step_timeout_s`: `check_health` fails while one
+        engine step has been running longer (a stuck device or worker; None: never)."""
         self.engine = engine if engine is not None else LLMEngine(config)
         self.max_queued_requests = max_queued_requests
         self.on_kv_events = on_kv_events
+        self.request_timeout_s = request_timeout_s
+        self.step_timeout_s = step_timeout_s
+        self._deadlines: dict[str, float] = {}  # request id -> time.monotonic() deadline
+        self._step_started: float | None = None  # monotonic start of the step in flight
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._adds: deque[_Add] = deque()
         self._aborts: deque[str] = deque()
@@ -81,6 +91,12 @@ class AsyncLLMEngine:
     def check_health(self) -> None:
         if self.is_dead:
             raise EngineDeadError(f"engine loop stopped: {self.dead_error!r}")
+        started = self._step_started
+        if self.step_timeout_s is not None and started is not None:
+            running = time.monotonic() - started
+            if running > self.step_timeout_s:
+                raise EngineDeadError(f"an engine step has been running for {running:.0f} s "
+                                      f"(step_timeout_s={self.step_timeout_s:g}): the engine is stuck")
 
     async def generate(
         self,
@@ -108,12 +124,19 @@ class AsyncLLMEngine:
             )
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        if self.is_dead or self._stopped:  # the loop may have died or stopped after the check above:
+            self._streams.pop(request_id, None)  # then nobody would ever deliver to this stream
+            raise EngineDeadError(f"engine loop stopped: {self.dead_error!r}")
+        deadline = None
+        if self.request_timeout_s is not None:
+            deadline = time.monotonic() + self.request_timeout_s
+            self._deadlines[request_id] = deadline
         self._adds.append(_Add(request_id, prompt, prompt_ids, params))
         self._wake.set()
         finished = False
         try:
             while not finished:
-                out = await queue.get()
+                out = await self._next(queue, request_id, deadline)
                 if isinstance(out, BaseException):
                     raise out
                 while not queue.empty() and not out.finished:  # a slow reader gets merged deltas
@@ -125,9 +148,21 @@ class AsyncLLMEngine:
                 yield out
         finally:
             self._streams.pop(request_id, None)
+            self._deadlines.pop(request_id, None)
             if not finished:
                 self._aborts.append(request_id)
                 self._wake.set()
+
+    async def _next(self, queue: asyncio.Queue, request_id: str, deadline: float | None):
+        """The stream's next item; past the deadline a RequestTimeoutError (even if the engine
+        thread is stuck and never delivers one)."""
+        if deadline is None:
+            return await queue.get()
+        try:
+            return await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return RequestTimeoutError(f"request {request_id} ran past its deadline "
+                                       f"(request_timeout_s={self.request_timeout_s:g}) and was aborted")
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its stream ends with finish_reason 'abort'); unknown ids are ignored."""
@@ -135,10 +170,14 @@ class AsyncLLMEngine:
         self._wake.set()
 
     def shutdown(self) -> None:
-        """Stop the loop, then the engine (its tensor-parallel workers, if any)."""
+        """Stop the loop, fail every open stream (EngineDeadError), then stop the engine (its
+        tensor-parallel workers, if any)."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        err = EngineDeadError("the engine was shut down")
+        for rid in list(self._streams):
+            self._deliver(rid, err)
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -152,6 +191,15 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
             except RuntimeError:  # the caller's loop is closed: nobody is listening
                 self._aborts.append(request_id)
+
+    def _expire(self) -> None:
+        """Abort the requests past their deadline (their streams raise RequestTimeoutError)."""
+        now = time.monotonic()
+        for rid in [r for r, d in list(self._deadlines.items()) if d <= now]:  # a copy: callers add and pop
+            self._deadlines.pop(rid, None)
+            self.engine.abort_request(rid)
+            self._deliver(rid, RequestTimeoutError(
+                f"request {rid} ran past its deadline (request_timeout_s={self.request_timeout_s:g}) and was aborted"))
 
     def _apply_queued(self) -> None:
         engine = self.engine
@@ -173,6 +221,8 @@ class AsyncLLMEngine:
         engine = self.engine
         while not self._stopped:
             try:
+                if self._deadlines:
+                    self._expire()
                 self._apply_queued()
                 if not engine.has_unfinished_requests():
                     self.snapshot = self._snapshot()
@@ -180,7 +230,9 @@ class AsyncLLMEngine:
                     self._wake.clear()
                     continue
                 t0 = time.perf_counter()
+                self._step_started = time.monotonic()
                 outputs = engine.step()
+                self._step_started = None
                 self.num_steps += 1
                 self.snapshot = self._snapshot()  # before delivering: what a caller sees is never newer
                 for out in outputs:  # a request that failed on its own gets its error, the rest go on

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from app.config import EngineConfig
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import InvalidRequestError
-from app.engine.executor import create_executor
+from app.engine.executor import Executor, LocalExecutor
 from app.engine.kv_cache import KVCacheSpec, kv_bytes_per_token
 from app.engine.kv_cache_manager import KVCacheManager
 from app.engine.kv_events import KVEvent
@@ -26,6 +27,8 @@ from app.engine.sequence import Sequence, SequenceStatus
 from app.engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+MAX_PENDING_KV_EVENTS = 100_000
 
 
 @dataclass(slots=True)
@@ -129,8 +132,11 @@ class LLMEngine:
         # step(), add_request() and abort_request() may be called from different threads (an
         # async server steps in a worker thread); an abort waits for the step in flight.
         self._lock = threading.RLock()
-        self._kv_events: list[KVEvent] = []
-        self.kv_manager.pool.subscribe(self._kv_events.append)
+        # Events wait here until take_kv_events() drains them (the async engine does every step); a
+        # user of the offline API that never drains loses the oldest beyond MAX_PENDING_KV_EVENTS.
+        self._kv_events: deque[KVEvent] = deque()
+        self.num_kv_events_dropped = 0
+        self.kv_manager.pool.subscribe(self._record_kv_event)
         self.peak_num_running = 0
         # Per-step records for benchmarks: set to a list and every step that runs the model appends
         # {schedule_s, prepare_s, forward_s, sample_s, output_s, total_s, num_seqs, num_tokens,
@@ -314,9 +320,18 @@ class LLMEngine:
         return out
 
     # -- KV events and stats -------------------------------------------------------------------
+    def _record_kv_event(self, event: KVEvent) -> None:
+        if len(self._kv_events) >= MAX_PENDING_KV_EVENTS:
+            self._kv_events.popleft()
+            if not self.num_kv_events_dropped:
+                logger.warning("KV events are not being read (take_kv_events); dropping the oldest beyond %d",
+                               MAX_PENDING_KV_EVENTS)
+            self.num_kv_events_dropped += 1
+        self._kv_events.append(event)
+
     def take_kv_events(self) -> list[KVEvent]:
-        """KV events since the last call, oldest first."""
-        events = self._kv_events.copy()
+        """KV events since the last call, oldest first (at most MAX_PENDING_KV_EVENTS)."""
+        events = list(self._kv_events)
         self._kv_events.clear()
         return events
 
@@ -350,3 +365,12 @@ def _as_list(x) -> list:
     if x is None:
         return []
     return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def create_executor(config: EngineConfig, vocab_size: int, max_model_len: int) -> Executor:
+    """LocalExecutor for tensor_parallel_size 1, else a RayExecutor (imports Ray only then)."""
+    if config.tensor_parallel_size == 1:
+        return LocalExecutor(config, vocab_size, max_model_len)
+    from app.engine.parallel import RayExecutor  # imports Ray
+
+    return RayExecutor(config, vocab_size, max_model_len)

@@ -16,3 +16,7 @@ class EngineDeadError(RuntimeError):
 class RequestFailedError(RuntimeError):
     """One request failed on its own (e.g. NaN/Inf in its K/V or logits); the engine and every other
     request run on. Retrying the same request will most likely fail the same way."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past its deadline (request_timeout_s) and was aborted; its KV blocks are freed."""

@@ -6,7 +6,8 @@ The engine hands each scheduled step to an Executor, which turns it into a compa
 - LocalExecutor (tensor_parallel_size 1): one ModelRunner in the engine's process; neither Ray
   nor torch.distributed is imported.
 - RayExecutor (app/engine/parallel.py, tensor_parallel_size > 1): one Ray actor per rank on the
-  bundles of a placement group; imported only when asked for.
+  bundles of a placement group; imported only when asked for (engine.create_executor picks, so
+  this module never imports parallel.py, which subclasses Executor).
 
 Both speak the same messages, so tensor_parallel_size 1 exercises the same worker code as TP.
 """
@@ -123,12 +124,3 @@ class LocalExecutor(Executor):
     def worker_info(self) -> list[dict]:
         return [{"rank": 0, "pid": os.getpid(), "device": str(self.runner.device),
                  "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}]
-
-
-def create_executor(config: EngineConfig, vocab_size: int, max_model_len: int) -> Executor:
-    """LocalExecutor for tensor_parallel_size 1, else a RayExecutor (imports Ray only then)."""
-    if config.tensor_parallel_size == 1:
-        return LocalExecutor(config, vocab_size, max_model_len)
-    from app.engine.parallel import RayExecutor
-
-    return RayExecutor(config, vocab_size, max_model_len)

@@ -145,6 +145,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}  # rank 0: requests with a seed
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, logits)
         self.graphs_disabled_reason: str | None = None
+        self._setup_failed: dict[str, str] = {}  # request id -> why its state could not be set up
         # Per-step phase times (seconds) of the latest step; with sync_timings the device is
         # synchronized between phases so that they are exact (benchmarks only: it costs overlap).
         self.sync_timings = False
@@ -191,7 +192,10 @@ class ModelRunner:
                 row = old.row if old is not None else buf.take_row()
                 self.requests[r.request_id] = _RequestState(list(r.block_ids), r.params, row)
                 if self.sampler is not None and r.params.seed is not None and r.request_id not in self.generators:
-                    self.generators[r.request_id] = torch.Generator(self.device).manual_seed(r.params.seed)
+                    try:  # a request's own fault: it fails, the step and the other requests go on
+                        self.generators[r.request_id] = torch.Generator(self.device).manual_seed(r.params.seed)
+                    except (RuntimeError, ValueError, OverflowError) as e:
+                        self._setup_failed[r.request_id] = f"its seed {r.params.seed!r} cannot seed a generator ({e})"
             else:
                 self.requests[r.request_id].block_table.extend(r.block_ids)
 
@@ -352,7 +356,9 @@ class ModelRunner:
         else:
             out = SamplerOutput([], None, None, extra=seq_bad.tolist())
         flags = out.extra
-        out.failed = {r.request_id: "non-finite (NaN/Inf) values in its keys/values" for r, bad
+        out.failed = dict(self._setup_failed)
+        self._setup_failed.clear()
+        out.failed |= {r.request_id: "non-finite (NaN/Inf) values in its keys/values" for r, bad
                       in zip(step.requests, flags[:inputs.num_seqs]) if bad}
         for rid, bad in zip(rids, flags[inputs.num_seqs:]):
             if bad and rid not in out.failed:

@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 from app.engine.errors import InvalidRequestError
 
 
+# Seeds are 64-bit signed integers (what torch generators and the OpenAI API take).
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+# Stop strings are matched on the engine thread after every token: their number and length are bounded.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+
+
 class SamplingParamsError(InvalidRequestError):
     """A sampling parameter is out of range; the message names the field."""
 
@@ -51,12 +59,18 @@ class SamplingParams:
                f"top_k must be -1 or 0 (disabled) or an integer >= 1 (got {self.top_k!r})")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1] (got {self.top_p!r})")
-        _check(self.seed is None or _is_int(self.seed),
-               f"seed must be an integer or None (got {self.seed!r})")
+        _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+               f"seed must be a 64-bit signed integer in [{SEED_MIN}, {SEED_MAX}] or None (got {self.seed!r})")
+        _check(len(self.stop) <= MAX_STOP_STRINGS,
+               f"stop must hold at most {MAX_STOP_STRINGS} strings (got {len(self.stop)})")
         _check(all(isinstance(s, str) and s for s in self.stop),
-               f"stop must be a list of non-empty strings (got {self.stop!r})")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids must be non-negative integers (got {self.stop_token_ids!r})")
+               f"stop must be a list of non-empty strings (got {self.stop!r:.200})")
+        _check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+               f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters "
+               f"(got one of {max(map(len, self.stop), default=0)})")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} non-negative integers "
+               f"(got {self.stop_token_ids!r:.200})")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be None or an integer in [0, 20] (got {self.logprobs!r})")
 

@@ -22,7 +22,7 @@ from collections import defaultdict
 import ray
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from app.deployments.llm_server import GenerateRequest
+from app.deployments.types import GenerateRequest
 from app.router.events import decode_batch
 from app.router.index import PrefixIndex
 from app.router.policy import RoutingPolicy, choose
