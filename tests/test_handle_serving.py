@@ -137,3 +137,23 @@ def test_bad_values_are_refused_before_a_replica_is_called(serving, server):
                               "max_completion_tokens": 2, "temperature": -1}))
     assert e.value.param == "temperature"
     assert server.streams == []
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"prompt": "x" * 300, "max_tokens": 1}, "prompt", ["longer than max_model_len (256)"]),
+    ({"prompt": [1, 2, 3], "max_tokens": 254}, "prompt", ["257", "max_model_len (256)"]),
+    ({"prompt": [1, 99999], "max_tokens": 2}, "prompt", ["99999"]),
+    ({"prompt": [], "max_tokens": 2}, "prompt", ["empty"]),
+])
+def test_prompts_that_cannot_fit_are_refused_before_a_replica_is_called(serving, server, body, param, words):
+    """The admission check at the ingress: length against max_model_len and the KV cache, token ids
+    against the vocabulary (ModelInfo: 256 tokens, vocab 320, 64 blocks of 4); no replica sees them."""
+    with pytest.raises(BadRequestError) as e:
+        collect(serving.completions({"model": "tiny-llama", **body}))
+    assert e.value.param == param, e.value.message
+    assert all(w in e.value.message for w in words), e.value.message
+    assert server.streams == []
+    with pytest.raises(BadRequestError, match="256"):  # 64 blocks x 4 tokens: 260 tokens can never be cached
+        collect(serving.chat({"model": "tiny-llama", "messages": [{"role": "user", "content": "x" * 240}],
+                              "max_completion_tokens": 10}))
+    assert server.streams == []

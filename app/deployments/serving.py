@@ -51,6 +51,7 @@ from app.deployments.protocol import (
 from app.engine.block_hash import hash_request_tokens
 from app.engine.engine import RequestOutput, resolve_tokenizer
 from app.engine.errors import InvalidRequestError
+from app.engine.scheduler import check_request_fits
 from app.engine.loader import load_model_config
 from app.engine.sampling_params import SamplingParams
 from app.engine.tokenizer import ChatTemplateError
@@ -176,6 +177,7 @@ class OpenAIServing:
                         ) -> AsyncIterator[RequestOutput]:
         """Stream from an LLMServer replica; its errors become OpenAIErrors (before the first output).
         Closing this early (or cancelling its task) cancels the replica's stream: the engine aborts."""
+        await self._admit(prompt_ids, params, fields)
         generate_request = GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params, prompt=prompt_text,
             session_id=session_id, block_hashes=hash_request_tokens(prompt_ids, self.config.engine.block_size))
@@ -225,6 +227,21 @@ class OpenAIServing:
             self.metrics.count_request(endpoint, status)
 
     # -- helpers --------------------------------------------------------------------------------
+    async def _admit(self, prompt_ids: list[int], params: SamplingParams, fields: dict[str, str]) -> None:
+        """Refuse here, before any replica, what a replica would refuse: an empty prompt, token ids
+        outside the vocabulary, a prompt + max_tokens beyond max_model_len or the whole KV cache."""
+        try:
+            info = await self._model_info()  # a busy replica may refuse even this call (503)
+            if not prompt_ids:
+                raise InvalidRequestError("prompt must not be empty")
+            bad = [t for t in prompt_ids if not 0 <= t < info.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {info.vocab_size}) (got {bad[:5]})")
+            check_request_fits(len(prompt_ids), params.max_tokens, info.max_model_len, info.num_kv_blocks,
+                               info.block_size)
+        except Exception as e:
+            raise to_openai_error(e, fields, self.config.retry_after_s) from None
+
     async def _model_info(self) -> ModelInfo:
         if self._info is None:
             self._info = await self.llm_server.model_info.remote()

@@ -22,6 +22,30 @@ class RequestTooLargeError(InvalidRequestError):
     """The request can never fit in the KV cache or the model's context."""
 
 
+def check_request_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, num_kv_blocks: int,
+                       block_size: int) -> None:
+    """Raise RequestTooLargeError unless prompt + max_tokens fits max_model_len and the whole KV
+    cache. Pure: the ingress runs the same check before a request reaches a replica."""
+    if num_prompt_tokens >= max_model_len:
+        raise RequestTooLargeError(
+            f"prompt is {num_prompt_tokens} tokens, longer than max_model_len ({max_model_len}) "
+            "allows with at least one output token; shorten the prompt"
+        )
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise RequestTooLargeError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"max_model_len ({max_model_len}); shorten the prompt or lower max_tokens"
+        )
+    # The last sampled token is never fed back, so its K/V is never stored.
+    blocks = cdiv(total - 1, block_size)
+    if blocks > num_kv_blocks:
+        raise RequestTooLargeError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks "
+            f"but the cache has {num_kv_blocks}; lower max_tokens or give the KV cache more memory"
+        )
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     # (sequence, number of its tokens to compute this step), in batch order
@@ -68,24 +92,8 @@ class Scheduler:
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise RequestTooLargeError unless prompt + max_tokens fits the context and the cache."""
-        if num_prompt_tokens >= self.max_model_len:
-            raise RequestTooLargeError(
-                f"prompt is {num_prompt_tokens} tokens, longer than max_model_len ({self.max_model_len}) "
-                "allows with at least one output token; shorten the prompt"
-            )
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise RequestTooLargeError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
-            )
-        # The last sampled token is never fed back, so its K/V is never stored.
-        blocks = cdiv(total - 1, self.block_size)
-        if blocks > self.kv.pool.num_blocks:
-            raise RequestTooLargeError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks "
-                f"but the cache has {self.kv.pool.num_blocks}; lower max_tokens or give the KV cache more memory"
-            )
+        check_request_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.kv.pool.num_blocks,
+                           self.block_size)
 
     def finish_requests(self, request_ids: Iterable[str], status: SequenceStatus) -> list[Sequence]:
         """Finish (e.g. abort) requests wherever they are; unknown ids are ignored."""
