@@ -96,16 +96,80 @@ def test_wire_format_round_trip_and_vllm_layout():
         event_from_wire(["BlockMoved", [1]])
 
 
-def test_engine_and_router_hashes_agree(stories_paths):
-    """The blocks an engine reports storing are exactly the hashes the ingress computes."""
+def _engine_after_one_prompt(stories_paths):
+    """An engine (blocks of 4 tokens) that has prefilled one prompt, and the prompt's ids."""
     model, tok = stories_paths
     engine = LLMEngine(model=model, tokenizer=tok, num_kv_blocks=64, block_size=4)
     prompt_ids = engine.tokenize("Once upon a time, there was a little girl named Lily")
     engine.add_request("r", prompt_ids, SamplingParams(temperature=0, max_tokens=1))
     while engine.has_unfinished_requests():
         engine.step()
+    return engine, prompt_ids
+
+
+def test_engine_and_router_hashes_agree(stories_paths):
+    """The blocks an engine reports storing are exactly the hashes the ingress computes."""
+    engine, prompt_ids = _engine_after_one_prompt(stories_paths)
     idx = PrefixIndex()
     idx.apply_all("replica", engine.take_kv_events())
     expected = hash_request_tokens(prompt_ids, 4)
     assert len(expected) == len(prompt_ids) // 4 >= 3
     assert idx.match(expected) == {"replica": len(expected)}
+
+
+# -- the index actor's bookkeeping (the class itself; test_router_serve.py runs it as an actor) ------
+def _batch(*events):
+    return encode_batch(0.0, list(events))
+
+
+def test_an_index_that_restarted_asks_each_replica_for_its_blocks_once():
+    from app.router.kv_router import KVIndexActor
+
+    index = KVIndexActor()
+    assert index.status("a") == (index.epoch, False)
+    index.publish("a", 7, _batch(stored(1)))  # batch 7 first: batches 1-6 went to a previous index
+    assert index.status("a") == (index.epoch, True)
+    index.publish("a", 8, _batch(AllBlocksCleared(), stored(1, 2), stored(3)))  # the replica's snapshot
+    assert index.status("a")[1] is False
+    assert index.match([1, 2]) == {"a": 2} and index.match([3]) == {"a": 1}
+    assert KVIndexActor().epoch != index.epoch
+
+
+def test_a_gap_in_the_batches_drops_the_replica_and_asks_for_a_resync():
+    from app.router.kv_router import KVIndexActor
+
+    index = KVIndexActor()
+    index.publish("a", 1, _batch(stored(1, 2)))
+    index.publish("a", 3, _batch(stored(5)))  # batch 2 was lost
+    assert index.num_gaps == 1 and index.match([1, 2]) == {} and index.match([5]) == {"a": 1}
+    assert index.status("a")[1] is True
+
+
+def test_retain_from_a_stale_view_keeps_replicas_that_are_alive():
+    from app.router.kv_router import KVIndexActor
+
+    index = KVIndexActor()
+    index.publish("live", 1, _batch(stored(1)))
+    index.report_stats("quiet", {"num_running": 0})
+    assert index.retain(["other"], grace_s=60) == []  # both were heard from within the grace period
+    assert index.match([1]) == {"live": 1}
+    assert sorted(index.retain(["live"], grace_s=-1)) == ["quiet"]  # silent (here: any silence) and not listed
+    assert index.match([1]) == {"live": 1}
+    # a replica that left is dropped once it has been silent long enough, on any later call
+    assert index.retain(["new"]) == []  # "live" left the list but was heard from just now
+    index._last_seen["live"] -= 3600  # ... an hour of silence later
+    index._checked_at -= 2
+    assert index.match([1]) == {}
+    index.remove_replica("live")  # a replica that died: at once
+    assert index.match([1]) == {}
+
+
+def test_a_snapshot_of_the_prefix_cache_rebuilds_the_index(stories_paths):
+    engine, ids = _engine_after_one_prompt(stories_paths)
+    from_events, from_snapshot = PrefixIndex(), PrefixIndex()
+    from_events.apply_all("x", engine.take_kv_events())
+    from_snapshot.apply("x", stored(999))  # stale knowledge the snapshot must clear
+    from_snapshot.apply_all("x", engine.kv_cache_snapshot_events())
+    expected = hash_request_tokens(ids, 4)
+    assert from_snapshot.match(expected) == from_events.match(expected) == {"x": len(expected)}
+    assert from_snapshot.match([999]) == {}

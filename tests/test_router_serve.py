@@ -147,6 +147,30 @@ def test_new_session_follows_a_shared_prefix_unless_its_replica_is_overloaded(ur
     assert any(rep != owner and n > 0 for rep, n in holders.items()), (owner, holders)
 
 
+def test_a_restarted_index_is_rebuilt_by_the_replicas(url):
+    """The index actor dies and restarts empty (a new epoch); each replica notices on its next
+    routing-stats poll and re-publishes its whole prefix cache, so the blocks it holds are known
+    again within seconds, without any new request."""
+    prompt = "A long shared system prompt for the resync check. " * 4
+    complete(url, prompt, session="resync-1")
+    before = _confirmed_holders(prompt)
+    assert before and max(before.values()) >= 8, before
+    epoch = ray.get(_index().status.remote("test"))[0]
+    ray.kill(_index(), no_restart=False)  # max_restarts=-1: it comes back, empty
+    assert wait_until(lambda: _alive_epoch() not in (None, epoch), timeout_s=30)
+    after = wait_until(lambda: {r: n for r, n in _holders(prompt).items() if n >= max(before.values())},
+                       timeout_s=30)
+    assert set(after) == {r for r, n in before.items() if n >= max(before.values())}, (before, after)
+    assert complete(url, prompt, session="resync-1")["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def _alive_epoch():
+    try:
+        return ray.get(_index().status.remote("test"), timeout=2)[0]
+    except Exception:
+        return None
+
+
 def test_killed_replica_leaves_the_index_and_later_requests_succeed(url):
     complete(url, "warm up every replica " * 4, session="k0")
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)

@@ -53,6 +53,8 @@ class LLMServer:
         self._batches: collections.deque[KVEventBatch] = collections.deque(maxlen=_MAX_KV_EVENT_BATCHES)
         self._next_batch_seq = 1
         self._last_cut = time.monotonic()
+        self._index_epoch: str | None = None  # the index's epoch when this replica last heard it
+        self._status_ref = None  # an index.status call in flight (polled without waiting)
         t0 = time.perf_counter()
         self.engine = engine_cls(
             config.engine, max_queued_requests=config.max_queued_requests, on_kv_events=self._on_kv_events,
@@ -110,8 +112,41 @@ class LLMServer:
         s = self.stats()
         if self._index is not None:
             self._index.report_stats.remote(self.replica_id, s)
+            self._poll_index()
         return {k: s[k] for k in ("num_running", "num_waiting", "num_queued_tokens", "num_free_kv_blocks",
                                   "num_kv_blocks", "kv_event_seq")}
+
+    def _poll_index(self) -> None:
+        """Resync the router's index when it asks for this replica's full block set (after a gap in
+        the batches it received) or when its epoch changed (it restarted, empty): the prefix cache
+        goes out as one batch opening with AllBlocksCleared. Polled from the periodic routing-stats
+        hook; never waits on the index (a status call in flight is checked, not awaited)."""
+        import ray
+
+        ref = self._status_ref
+        if ref is not None:
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                return
+            self._status_ref = None
+            try:
+                epoch, wanted = ray.get(ref)
+            except Exception as e:  # the index is restarting: ask again next time
+                logger.info("KV index status unavailable (%r)", e)
+                return
+            if wanted or (self._index_epoch is not None and epoch != self._index_epoch):
+                self._publish_snapshot(epoch)
+            self._index_epoch = epoch
+        self._status_ref = self._index.status.remote(self.replica_id)
+
+    def _publish_snapshot(self, epoch: str) -> None:
+        snapshot = self.engine.engine.kv_cache_snapshot_events()
+        logger.info("replica %s resyncs the KV index (epoch %s): %d cached blocks", self.replica_id, epoch[:8],
+                    len(snapshot) - 1)
+        with self._events_lock:
+            # events not yet published happened before the snapshot: it supersedes them
+            self._pending_events = snapshot
+        self._cut_batch()
 
     def _on_kv_events(self, events: list[KVEvent]) -> None:  # engine thread
         with self._events_lock:

@@ -137,6 +137,12 @@ class BlockPool:
         if hashes:
             self._emit(BlockStored(hashes, parent, tokens, self.block_size))
 
+    def snapshot_events(self) -> list[KVEvent]:
+        """The prefix cache as events: AllBlocksCleared, then one BlockStored per cached block (its
+        parent is not kept, so None): replayed by a consumer, they give exactly the cached set."""
+        return [AllBlocksCleared()] + [BlockStored([b.block_hash], None, list(b.token_ids), self.block_size)
+                                       for b in self._cached.values()]
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; only possible while no block is in use."""
         if len(self._free) != self.num_blocks:

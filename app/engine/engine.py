@@ -335,6 +335,12 @@ class LLMEngine:
         self._kv_events.clear()
         return events
 
+    def kv_cache_snapshot_events(self) -> list[KVEvent]:
+        """The prefix cache now, as KV events (AllBlocksCleared, then BlockStored per block), for a
+        consumer that lost track (the router's index after a restart). Safe from another thread."""
+        with self._lock:
+            return self.kv_manager.pool.snapshot_events()
+
     def subscribe_kv_events(self, callback: Callable[[KVEvent], None]) -> None:
         self.kv_manager.pool.subscribe(callback)
 

@@ -17,12 +17,14 @@ import asyncio
 import logging
 import random
 import time
+import uuid
 from collections import defaultdict
 
 import ray
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from app.deployments.types import GenerateRequest
+from app.engine.kv_events import AllBlocksCleared
 from app.router.events import decode_batch
 from app.router.index import PrefixIndex
 from app.router.policy import RoutingPolicy, choose
@@ -31,6 +33,7 @@ logger = logging.getLogger("ray.serve")
 
 INDEX_NAMESPACE = "serve"
 _INDEX_TIMEOUT_S = 0.5  # a routing decision never waits longer than this for the index
+RETAIN_GRACE_S = 10.0  # a replica absent from a router's list is dropped only after this much silence
 
 
 def index_actor_name(app_name: str) -> str:
@@ -42,47 +45,86 @@ class KVIndexActor:
 
     def __init__(self, max_blocks: int = 1_000_000, predicted_ttl_s: float = 30.0) -> None:
         self.index = PrefixIndex(max_blocks=max_blocks, predicted_ttl_s=predicted_ttl_s)
+        self.epoch = uuid.uuid4().hex  # new after every (re)start: replicas resync when it changes
         self._last_seq: dict[str, int] = {}
+        self._last_seen: dict[str, float] = {}  # replica -> time.monotonic() of its last batch or report
+        self._resync: set[str] = set()  # replicas whose full block set this index needs
+        self._listed: set[str] | None = None  # the replicas of the latest retain() call
+        self._checked_at = 0.0
         self._replica_stats: dict[str, dict] = {}  # latest engine stats each replica reported
         self.num_batches = 0
         self.num_gaps = 0
 
     def publish(self, replica_id: str, seq: int, payload: bytes) -> None:
-        """One KV event batch of a replica; a gap in its numbering (lost batches) resets what is
-        known of the replica before applying, so the index never claims blocks that are gone."""
+        """One KV event batch of a replica. A gap in its numbering (lost batches), or a first batch
+        that is not the replica's first (this index restarted), means what the index knows of the
+        replica may be wrong or incomplete: a gap drops it, and either asks the replica for its full
+        block set (`status`), which arrives as a batch opening with AllBlocksCleared."""
+        self._last_seen[replica_id] = time.monotonic()
         last = self._last_seq.get(replica_id)
+        _, events = decode_batch(payload)
+        snapshot = bool(events) and isinstance(events[0], AllBlocksCleared)
         if last is not None and seq != last + 1:
             self.num_gaps += 1
             logger.warning("KV events of replica %s jumped from batch %d to %d; re-learning it", replica_id,
                            last, seq)
             self.index.remove_replica(replica_id)
+            self._resync.add(replica_id)
+        elif last is None and seq > 1:
+            self._resync.add(replica_id)
+        if snapshot:
+            self._resync.discard(replica_id)
         self._last_seq[replica_id] = seq
-        _, events = decode_batch(payload)
         self.index.apply_all(replica_id, events)
         self.num_batches += 1
 
+    def status(self, replica_id: str) -> tuple[str, bool]:
+        """(this index's epoch, whether it needs the replica's full block set); replicas poll it."""
+        self._last_seen[replica_id] = time.monotonic()
+        return self.epoch, replica_id in self._resync
+
     def match(self, block_hashes: list[int]) -> dict[str, int]:
+        self._check_silent()
         return self.index.match(block_hashes)
+
+    def _check_silent(self) -> None:
+        """At most once a second (on the calls that come often: matches, and every live replica's
+        report): forget replicas that left the routers' list and went silent since."""
+        if time.monotonic() - self._checked_at > 1.0:
+            self._drop_silent()
 
     def record_routed(self, replica_id: str, block_hashes: list[int]) -> None:
         self.index.record_routed(replica_id, block_hashes)
 
     def remove_replica(self, replica_id: str) -> None:
         self.index.remove_replica(replica_id)
-        self._last_seq.pop(replica_id, None)
-        self._replica_stats.pop(replica_id, None)
+        for d in (self._last_seq, self._last_seen, self._replica_stats):
+            d.pop(replica_id, None)
+        self._resync.discard(replica_id)
 
     def report_stats(self, replica_id: str, stats: dict) -> None:
         """A replica's latest engine stats (for /metrics of every ingress and for benchmarks)."""
+        self._last_seen[replica_id] = time.monotonic()
         self._replica_stats[replica_id] = stats
+        self._check_silent()
 
     def replica_stats(self) -> dict[str, dict]:
         return dict(self._replica_stats)
 
-    def retain(self, replica_ids: list[str]) -> list[str]:
-        """Forget every replica not in `replica_ids` (they left); returns the ones removed."""
-        keep = set(replica_ids)
-        gone = [r for r in {*self.index.replicas, *self._last_seq, *self._replica_stats} if r not in keep]
+    def retain(self, replica_ids: list[str], grace_s: float = RETAIN_GRACE_S) -> list[str]:
+        """A router's current replica list. Replicas not in the latest list are forgotten once they
+        have also been silent (no batch, report or status call) for grace_s, now or on a later call
+        of this actor: a router with a stale list cannot drop a live replica, which reports every
+        second. Replicas that died are removed at once by `remove_replica`. Returns the ones removed."""
+        self._listed = set(replica_ids)
+        return self._drop_silent(grace_s)
+
+    def _drop_silent(self, grace_s: float = RETAIN_GRACE_S) -> list[str]:
+        if self._listed is None:
+            return []
+        now = self._checked_at = time.monotonic()
+        gone = [r for r in {*self.index.replicas, *self._last_seq, *self._replica_stats, *self._last_seen}
+                if r not in self._listed and now - self._last_seen.get(r, float("-inf")) > grace_s]
         for r in gone:
             self.remove_replica(r)
         return gone
