@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -204,7 +204,7 @@ class ServerConfig(BaseModel):
         1024, ge=1, description="Requests a replica queues before refusing new ones with 503 + Retry-After.",
     )
     retry_after_s: int = Field(1, ge=1, description="Retry-After (seconds) sent with 429/503 answers.")
-    api_keys: list[str] = Field(
+    api_keys: list[SecretStr] = Field(
         default_factory=list,
         description="Accepted API keys (Authorization: Bearer <key>). Also read from the env var APP_API_KEYS "
         "(comma-separated). None set: no authentication.",

@@ -196,6 +196,9 @@ def test_api_key_is_required_when_configured(base_url):
 
 
 def test_api_keys_come_from_config_and_env():
+    config = ServerConfig(api_keys=["a-secret-key"])
+    assert "a-secret-key" not in repr(config) and "a-secret-key" not in str(config.model_dump())
+    assert api_keys(config, {}) == {"a-secret-key"}
     config = ServerConfig(api_keys=["a"])
     assert api_keys(config, {"APP_API_KEYS": " b, c ,,"}) == {"a", "b", "c"}
     assert api_keys(ServerConfig(), {}) == frozenset()

@@ -52,9 +52,10 @@ def error_response(e: OpenAIError) -> JSONResponse:
 
 
 def api_keys(config: ServerConfig, environ) -> frozenset[str]:
-    """The keys of config.api_keys plus those of $APP_API_KEYS (comma-separated)."""
+    """The keys of config.api_keys plus those of $APP_API_KEYS (comma-separated). In the config they
+    are SecretStr: a printed or logged config shows '**********'."""
     from_env = (k.strip() for k in environ.get(API_KEYS_ENV, "").split(","))
-    return frozenset(k for k in (*config.api_keys, *from_env) if k)
+    return frozenset(k for k in (*(s.get_secret_value() for s in config.api_keys), *from_env) if k)
 
 
 async def _sse_events(first: BaseModel, items: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
