@@ -117,3 +117,22 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event_and_done():
     assert events[-1] == "data: [DONE]\n\n" and len(events) == 4
     error = json.loads(events[2][len("data: "):])["error"]
     assert error["type"] == "server_error" and error["code"] == "internal_error" and "boom" in error["message"]
+
+
+def test_nonfinite_kv_in_a_prefill_chunk_that_samples_nothing_fails_the_request(stories_paths):
+    """A step where no request samples (chunked prefill) still reports its failed requests: the
+    request fails there, before the blocks it could not write are cached."""
+    model, tokenizer = stories_paths
+    llm = LLM(model=model, tokenizer=tokenizer, kv_cache_dtype="fp32", num_kv_blocks=64,
+              max_num_batched_tokens=16, block_size=4)
+    m = llm.engine.model
+    m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach().clone())
+    poison = llm.engine.vocab_size - 1
+    with torch.no_grad():
+        m.model.embed_tokens.weight[poison] = float("nan")
+    prompt = [poison] + llm.tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play")
+    assert len(prompt) > 16  # the first 16-token chunk samples nothing
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out.finish_reason == "error" and "non-finite" in out.error and out.token_ids == []
+    assert llm.engine.kv_manager.pool.num_cached_blocks == 0  # none of its blocks entered the prefix cache
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_kv_blocks

@@ -277,6 +277,7 @@ class LLMEngine:
     def _fail_requests(self, sched, failed: dict[str, str]) -> list[RequestOutput]:
         """Finish the requests the step failed (status error) before their blocks are cached; they
         leave `sched` so the scheduler does not advance them."""
+        failed = {rid: why for rid, why in failed.items() if rid in self._requests}  # not aborted meanwhile
         if not failed:
             return []
         for rid, why in failed.items():

@@ -88,8 +88,8 @@ class Executor(ABC):
         except BaseException:
             self._messages.failed(message)
             raise
-        if not sampling:
-            return [], SamplerOutput([], None, None)
+        if not sampling:  # nothing sampled, but requests may still have failed (non-finite K/V)
+            return [], SamplerOutput([], None, None, failed=out.failed if out is not None else {})
         assert out is not None and len(out.token_ids) == len(sampling)
         return sampling, out
 

@@ -86,6 +86,11 @@ class InputBuffers:
         self._idx.extend(range(base, base + len(block_ids)))
         self._val.extend(block_ids)
 
+    def discard_pending(self) -> None:
+        """Drop queued table writes (a step whose staging failed: its requests come back whole)."""
+        self._idx.clear()
+        self._val.clear()
+
     # -- one step --------------------------------------------------------------------------------
     def wait_staging_free(self) -> None:
         """Block until the previous step's copies have read the pinned staging (before refilling it)."""

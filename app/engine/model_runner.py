@@ -323,7 +323,11 @@ class ModelRunner:
         if not step.requests:
             return None
         t0 = time.perf_counter()
-        inputs = self.prepare(step)
+        try:
+            inputs = self.prepare(step)
+        except BaseException:
+            self.buffers.discard_pending()  # the driver resends every request whole after a failed step
+            raise
         self._sync()
         t1 = time.perf_counter()
         if inputs.graph_size is not None:

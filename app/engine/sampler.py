@@ -145,13 +145,14 @@ def top_k_top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k
     it (saves a device sync). Returns [rows, 1]: keep the logits >= it (ties with the last kept token
     are kept too). Top-p alone syncs once to see whether its candidates hold the nucleus."""
     vocab = logits.shape[1]
+    check_mixed = max_k is None  # a caller that passes max_k has grouped its rows (and saves the syncs)
     max_k = int(top_k.max()) if max_k is None else max_k
     if max_k < vocab:
         best = logits.topk(max_k, dim=-1).values  # [rows, max_k] descending
         rank = torch.arange(max_k, device=logits.device)
         probs = (best / temperature).masked_fill(rank >= top_k[:, None], float("-inf")).softmax(-1)
     else:
-        if max_k is None and bool((top_k < vocab).any()):
+        if check_mixed and bool((top_k < vocab).any()):
             raise ValueError("top_k_top_p_threshold: rows with and without top-k; call it "
                              "once for each kind")
         best = logits.topk(min(vocab, _TOP_P_CANDIDATES), dim=-1).values  # [rows, n] descending
