@@ -1,0 +1,66 @@
+"""Fuzzed request bodies, generated from the API's own JSON schemas (hypothesis-jsonschema), through
+the handle API's operations (OpenAIServing, what the HTTP routes call) on a fake LLMServer: every
+body gets either a response or an OpenAIError with a 4xx status; nothing else escapes, no 5xx. The
+fake stands in for the replica only (tests/test_handle_serving.py); the engine's side of bad
+input is tested in test_engine.py, test_async_engine.py and test_http_errors.py."""
+
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis_jsonschema import from_schema
+
+from app.deployments.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from app.deployments.serving import OpenAIServing
+from tests.test_handle_serving import BLOCK_SIZE, FakeLLMServer
+
+MODEL = "tiny-llama"
+# JSON of any shape, to mix in with schema-shaped bodies (wrong types, unknown fields)
+ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
+                                                                                    max_size=4), max_leaves=12)
+
+
+def _bodies(schema_model):
+    """Schema-valid bodies (half of them naming the served model), with random extra or replaced
+    fields drawn from ANY_JSON."""
+    schema = from_schema(schema_model.model_json_schema())
+    fields = list(schema_model.model_fields)
+    return st.tuples(schema, st.booleans(), st.dictionaries(st.sampled_from(fields + ["junk"]), ANY_JSON,
+                                                             max_size=2)).map(
+        lambda t: {**t[0], **({"model": MODEL} if t[1] else {}), **t[2]})
+
+
+def _run(serving, operation, body) -> None:
+    async def consume():
+        return [item async for item in operation(body)]
+
+    try:
+        items = asyncio.run(consume())
+    except OpenAIError as e:
+        assert 400 <= e.status_code < 500, (e.status_code, e.message, body)
+        assert e.message
+        return
+    assert items, body
+
+
+@pytest.fixture(scope="module")
+def serving():
+    return OpenAIServing(FakeLLMServer(), {"engine": {"block_size": BLOCK_SIZE}})
+
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                         HealthCheck.function_scoped_fixture])
+
+
+@FUZZ
+@given(body=_bodies(CompletionRequest))
+def test_fuzzed_completion_bodies_get_a_response_or_a_4xx(serving, body):
+    _run(serving, serving.completions, body)
+
+
+@FUZZ
+@given(body=_bodies(ChatCompletionRequest))
+def test_fuzzed_chat_bodies_get_a_response_or_a_4xx(serving, body):
+    _run(serving, serving.chat, body)
