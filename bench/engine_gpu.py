@@ -23,8 +23,7 @@ Sections (--sections, run in this order):
 3. capacity: fixed KV budget, all requests submitted at once: peak running sequences, wall time,
    output tok/s, decode-phase tok/s (sum(out-1) / time of decode-only steps), TTFT/ITL percentiles.
 4. steps: mean split of decode-only steps (schedule/prepare/forward/sample/output), CUDA graphs on/off.
-Parts that need engine features missing in this checkout (enforce_eager, step_timings, metrics,
-peak_num_running) print null. Each row prints as a JSON line when measured; --json is rewritten after
+Each row prints as a JSON line when measured; --json is rewritten after
 each section, so a run cut short keeps what it measured. A summary table prints at the end.
 """
 
@@ -107,10 +106,8 @@ def free(device: str) -> None:
 
 
 def make_llm(args, kv: str, enforce_eager: bool, **kw) -> LLM:
-    if "enforce_eager" in EngineConfig.model_fields:  # absent before CUDA graphs landed
-        kw["enforce_eager"] = enforce_eager
     return LLM(model=args.model, tokenizer=args.tokenizer, kv_cache_dtype=kv, device=args.device, dtype=args.dtype,
-               max_num_batched_tokens=args.max_num_batched_tokens, **kw)
+               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=enforce_eager, **kw)
 
 
 def timed_generate(llm: LLM, prompts, max_tokens: int, device: str):
@@ -151,10 +148,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total if tied else total - emb.numel() * emb.element_size()
 
 
-def step_records(engine) -> list[dict] | None:
-    recs = getattr(engine, "step_timings", None)
-    engine.step_timings = None
-    return recs or None  # [] (the engine never appended: feature missing) -> None
+def step_records(engine) -> list[dict]:
+    """The engine's per-step records since step_timings was set to a list; recording stops."""
+    recs, engine.step_timings = engine.step_timings, None
+    return recs
 
 
 # -- sections -------------------------------------------------------------------------------------
@@ -279,13 +276,13 @@ def capacity_one(args, R: dict, kv: str) -> None:
         timed_generate(llm, make_prompts(2, 16, eng.vocab_size, seed=2), 4, args.device)
         eng.step_timings, eng.sync_step_timings = [], False
         wall, outs = timed_generate(llm, prompts, O, args.device)
-        recs, peak = step_records(eng), eng.stats().get("peak_num_running")
+        recs, peak = step_records(eng), eng.stats()["peak_num_running"]
     finally:
         eng.shutdown()
     n_out = sum(len(o.token_ids) for o in outs)
-    dec = [r for r in recs or [] if r.get("decode_only")]
+    dec = [r for r in recs if r["decode_only"]]
     dec_time = sum(r["total_s"] for r in dec)
-    mets = [m for m in (getattr(o, "metrics", None) for o in outs) if m is not None]
+    mets = [o.metrics for o in outs]  # every output here is final, so it carries its metrics
     ttft = [m.first_token_time - m.arrival_time for m in mets if m.first_token_time is not None]
     itl = [b - a for m in mets for a, b in zip(m.token_times, m.token_times[1:])]
     emit(R, "capacity", {
@@ -294,11 +291,10 @@ def capacity_one(args, R: dict, kv: str) -> None:
         "kv_bytes_per_token": eng.kv_bytes_per_token,
         "full_len_fit": eng.num_kv_blocks // -(-(P + O) // eng.config.block_size),  # requests at full length
         "peak_num_running": peak,
-        "peak_step_seqs": max((r["num_seqs"] for r in recs), default=None) if recs else None,
+        "peak_step_seqs": max((r["num_seqs"] for r in recs), default=None),
         "wall_s": rnd(wall, 2), "output_tok_s": rnd(n_out / wall),
         "decode_phase_tok_s": rnd((n_out - n) / dec_time) if dec_time > 0 else None,
-        "decode_steps": len(dec) if recs else None, "steps": len(recs) if recs else None,
-        "ttft_ms": percentiles(ttft) if mets else None, "itl_ms": percentiles(itl) if mets else None})
+        "decode_steps": len(dec), "steps": len(recs), "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl)})
 
 
 def run_capacity(args, R: dict) -> None:
@@ -312,7 +308,7 @@ def run_capacity(args, R: dict) -> None:
                 "peak_num_running", "full_len_fit", "output_tok_s", "decode_phase_tok_s", "wall_s")}})
 
 
-def steps_one(args, R: dict, kv: str, eager: bool, has_eager: bool) -> None:
+def steps_one(args, R: dict, kv: str, eager: bool) -> None:
     (n, L), O = parse_shapes(args.steps_shape)[0], args.steps_output_len
     llm = make_llm(args, kv, eager, max_num_seqs=n, max_model_len=L + O + 1)
     eng = llm.engine
@@ -328,10 +324,10 @@ def steps_one(args, R: dict, kv: str, eager: bool, has_eager: bool) -> None:
         eng.shutdown()
     if kernels:
         emit(R, "decode_kernels", {"kv_cache_dtype": kv, "shape": f"{n}x{L}", "top": kernels})
-    dec = [r for r in recs or [] if r.get("decode_only")]
-    row = {"kv_cache_dtype": kv, "enforce_eager": eager if has_eager else None, "shape": f"{n}x{L}",
-           "output_len": O, "wall_s": rnd(wall, 3), "decode_steps": len(dec) if recs else None,
-           "graph_frac": ratio(sum(bool(r.get("graph")) for r in dec), len(dec)) if dec else None}
+    dec = [r for r in recs if r["decode_only"]]
+    row = {"kv_cache_dtype": kv, "enforce_eager": eager, "shape": f"{n}x{L}",
+           "output_len": O, "wall_s": rnd(wall, 3), "decode_steps": len(dec),
+           "graph_frac": ratio(sum(r["graph"] for r in dec), len(dec)) if dec else None}
     for k in STEP_KEYS:
         row[k.replace("_s", "_ms")] = round(sum(r[k] for r in dec) / len(dec) * 1e3, 3) if dec else None
     emit(R, "steps", row)
@@ -367,14 +363,9 @@ def profile_decode(llm: LLM, prompts, max_tokens: int, num_steps: int = 3, top: 
 
 
 def run_steps(args, R: dict) -> None:
-    has_eager = "enforce_eager" in EngineConfig.model_fields
     for kv in args.steps_kv_dtypes.split(","):
         for eager in (False, True):
-            if eager and not has_eager:
-                emit(R, "steps", {"kv_cache_dtype": kv, "enforce_eager": True, "error": "no enforce_eager field"})
-                continue
-            guarded(args, R, "steps", {"kv_cache_dtype": kv, "enforce_eager": eager}, steps_one,
-                    args, R, kv, eager, has_eager)
+            guarded(args, R, "steps", {"kv_cache_dtype": kv, "enforce_eager": eager}, steps_one, args, R, kv, eager)
 
 
 # -- summary --------------------------------------------------------------------------------------
@@ -432,8 +423,7 @@ def main() -> None:
     R: dict = {"meta": {
         "device": torch.cuda.get_device_name(args.device) if cuda
         else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-        "torch": torch.__version__, "model": args.model, "args": vars(args),
-        "has_enforce_eager": "enforce_eager" in EngineConfig.model_fields}}
+        "torch": torch.__version__, "model": args.model, "args": vars(args)}}
     bw = copy_bandwidth(args.device)
     R["meta"]["copy_bw_gb_s"] = rnd(bw / 1e9 if bw else None)
     print(json.dumps({"section": "meta", **{k: v for k, v in R["meta"].items() if k != "args"}}), flush=True)

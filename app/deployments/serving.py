@@ -51,7 +51,7 @@ from app.deployments.protocol import (
 from app.engine.block_hash import hash_request_tokens
 from app.engine.engine import RequestOutput, resolve_tokenizer
 from app.engine.errors import InvalidRequestError
-from app.engine.scheduler import check_request_fits
+from app.engine.scheduler import check_prompt_ids, check_request_fits
 from app.engine.loader import load_model_config
 from app.engine.sampling_params import SamplingParams
 from app.engine.tokenizer import ChatTemplateError
@@ -232,11 +232,7 @@ class OpenAIServing:
         outside the vocabulary, a prompt + max_tokens beyond max_model_len or the whole KV cache."""
         try:
             info = await self._model_info()  # a busy replica may refuse even this call (503)
-            if not prompt_ids:
-                raise InvalidRequestError("prompt must not be empty")
-            bad = [t for t in prompt_ids if not 0 <= t < info.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {info.vocab_size}) (got {bad[:5]})")
+            check_prompt_ids(prompt_ids, info.vocab_size)
             check_request_fits(len(prompt_ids), params.max_tokens, info.max_model_len, info.num_kv_blocks,
                                info.block_size)
         except Exception as e:

@@ -161,8 +161,11 @@ class AsyncLLMEngine:
         try:
             return await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            return RequestTimeoutError(f"request {request_id} ran past its deadline "
-                                       f"(request_timeout_s={self.request_timeout_s:g}) and was aborted")
+            return self._timeout_error(request_id)
+
+    def _timeout_error(self, request_id: str) -> RequestTimeoutError:
+        return RequestTimeoutError(f"request {request_id} ran past its deadline "
+                                   f"(request_timeout_s={self.request_timeout_s:g}) and was aborted")
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its stream ends with finish_reason 'abort'); unknown ids are ignored."""
@@ -198,8 +201,7 @@ class AsyncLLMEngine:
         for rid in [r for r, d in list(self._deadlines.items()) if d <= now]:  # a copy: callers add and pop
             self._deadlines.pop(rid, None)
             self.engine.abort_request(rid)
-            self._deliver(rid, RequestTimeoutError(
-                f"request {rid} ran past its deadline (request_timeout_s={self.request_timeout_s:g}) and was aborted"))
+            self._deliver(rid, self._timeout_error(rid))
 
     def _apply_queued(self) -> None:
         engine = self.engine

@@ -22,7 +22,7 @@ from app.engine.kv_events import KVEvent
 from app.engine.loader import DUMMY_MODELS, load_model_config
 from app.engine.model_runner import resolve_dtype
 from app.engine.sampling_params import SamplingParams
-from app.engine.scheduler import Scheduler
+from app.engine.scheduler import Scheduler, check_prompt_ids
 from app.engine.sequence import Sequence, SequenceStatus
 from app.engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -60,9 +60,12 @@ class RequestMetrics:
     """A request's timeline from the engine's own clock (time.perf_counter)."""
 
     arrival_time: float
-    first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each output token was produced
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
 
 
 @dataclass(slots=True, eq=False)
@@ -161,11 +164,7 @@ class LLMEngine:
         if not isinstance(prompt, (list, tuple)):
             raise InvalidRequestError(f"prompt must be a string or a list of token ids (got {type(prompt).__name__})")
         ids = list(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt must not be empty")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size}) (got {bad[:5]})")
+        check_prompt_ids(ids, self.vocab_size)
         return ids
 
     def validate(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> list[int]:
@@ -312,10 +311,8 @@ class LLMEngine:
             out.delta_logprobs = state.logprobs[start:]
             out.delta_top_logprobs = state.top_logprobs[start:]
         if finished:
-            m = state.metrics
-            m.finished_time = time.perf_counter()
-            m.first_token_time = m.token_times[0] if m.token_times else None
-            out.metrics = m
+            state.metrics.finished_time = time.perf_counter()
+            out.metrics = state.metrics
             out.token_ids = seq.output_token_ids
             out.logprobs, out.top_logprobs = state.logprobs, state.top_logprobs
         return out

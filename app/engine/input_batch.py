@@ -42,7 +42,7 @@ class InputBuffers:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  device: torch.device) -> None:
         self.device = device
-        self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
+        self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         T, S = max_num_tokens, max_num_seqs
         self.input_ids = _Staged(T, torch.int64, device)  # [T]
@@ -87,7 +87,8 @@ class InputBuffers:
         self._val.extend(block_ids)
 
     def discard_pending(self) -> None:
-        """Drop queued table writes (a step whose staging failed: its requests come back whole)."""
+        """Drop queued table writes (once uploaded, or when a step's staging failed: its requests
+        come back whole)."""
         self._idx.clear()
         self._val.clear()
 
@@ -108,8 +109,7 @@ class InputBuffers:
             self._upd_idx.np[:n] = self._idx
             self._upd_val.np[:n] = self._val
             self.table.view(-1).scatter_(0, self._upd_idx.upload(n), self._upd_val.upload(n))
-            self._idx.clear()
-            self._val.clear()
+            self.discard_pending()  # written
         for staged in (self.input_ids, self.positions, self.slot_mapping, self.token_seq):
             staged.upload(num_tokens)
         self.seq_lens.upload(num_seqs)

@@ -206,7 +206,7 @@ class ModelRunner:
         bs = self.block_size
         buf.wait_staging_free()
         ids, pos, slots, tok_seq = buf.input_ids.np, buf.positions.np, buf.slot_mapping.np, buf.token_seq.np
-        seq_lens_np, qsl_np, rows_np = buf.seq_lens.np, buf.query_start_loc.np, buf.row_ids.np
+        rows_np = buf.row_ids.np
         seq_lens, qsl = [], [0]
         sample_rows, sample_ids = [], []
         t = 0
@@ -236,8 +236,8 @@ class ModelRunner:
                 sample_rows.append(t - 1)
                 sample_ids.append(r.request_id)
         num_seqs = len(step.requests)
-        seq_lens_np[:num_seqs] = seq_lens
-        qsl_np[:num_seqs + 1] = qsl
+        buf.seq_lens.np[:num_seqs] = seq_lens
+        buf.query_start_loc.np[:num_seqs + 1] = qsl
         buf.sample_rows.np[:len(sample_rows)] = sample_rows
         graph_size = None
         if self.graphs and t == num_seqs:  # decode-shaped: one token per sequence
@@ -247,22 +247,18 @@ class ModelRunner:
             buf.stage_padding(t, num_seqs, padded)
         num_tokens = t + padded - num_seqs
         buf.upload(num_tokens, padded, len(sample_rows))
-        meta = self._meta(num_tokens, padded, seq_lens, qsl, graph_size is not None)
+        meta = self._meta(num_tokens, padded, graph_size is not None)
         return StepInputs(t, num_seqs, graph_size, buf.input_ids.dev[:num_tokens], buf.positions.dev[:num_tokens],
                           meta, buf.sample_rows.dev[:len(sample_rows)], sample_ids)
 
-    def _meta(self, num_tokens: int, num_seqs: int, seq_lens: list[int], qsl: list[int],
-              graph: bool) -> AttentionMetadata:
+    def _meta(self, num_tokens: int, num_seqs: int, graph: bool) -> AttentionMetadata:
+        """The step's metadata over the staged buffers (padding included, as stage_padding wrote it)."""
         buf = self.buffers
-        if len(seq_lens) < num_seqs:  # padding sequences of a decode graph: one token each
-            pad = num_seqs - len(seq_lens)
-            seq_lens = seq_lens + [1] * pad
-            qsl = qsl + list(range(qsl[-1] + 1, qsl[-1] + 1 + pad))
         return AttentionMetadata(
             slot_mapping=buf.slot_mapping.dev[:num_tokens],
             block_tables=buf.block_tables[:num_seqs],
-            seq_lens=seq_lens,
-            query_start_loc=qsl,
+            seq_lens=buf.seq_lens.np[:num_seqs].tolist(),
+            query_start_loc=buf.query_start_loc.np[:num_seqs + 1].tolist(),
             seq_lens_t=buf.seq_lens.dev[:num_seqs],
             query_start_loc_t=buf.query_start_loc.dev[:num_seqs + 1],
             plan_max_seq_len=self.max_model_len if graph else None,
@@ -286,7 +282,7 @@ class ModelRunner:
         buf = self.buffers
         buf.stage_padding(0, 0, size)
         buf.upload(size, size, 0)
-        return buf.input_ids.dev[:size], buf.positions.dev[:size], self._meta(size, size, [], [0], graph=True)
+        return buf.input_ids.dev[:size], buf.positions.dev[:size], self._meta(size, size, graph=True)
 
     def capture_graphs(self) -> None:
         """Capture one decode graph per batch size in graph_batch_sizes (largest first, one memory

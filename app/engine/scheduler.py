@@ -22,6 +22,16 @@ class RequestTooLargeError(InvalidRequestError):
     """The request can never fit in the KV cache or the model's context."""
 
 
+def check_prompt_ids(ids: list, vocab_size: int) -> None:
+    """Raise InvalidRequestError unless ids is a non-empty list of token ids in [0, vocab_size).
+    Pure: the ingress runs the same check before a request reaches a replica."""
+    if not ids:
+        raise InvalidRequestError("prompt must not be empty")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size}) (got {bad[:5]})")
+
+
 def check_request_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, num_kv_blocks: int,
                        block_size: int) -> None:
     """Raise RequestTooLargeError unless prompt + max_tokens fits max_model_len and the whole KV
