@@ -67,7 +67,7 @@ def deploy(replicas: int, kv_router: bool, engine_overrides: dict) -> None:
 def replica_requests() -> dict[str, int]:
     import ray
 
-    from app.router.kv_router import get_index
+    from app.router.index_actor import get_index
 
     stats = ray.get(get_index(APP).replica_stats.remote())
     return {r: s.get("num_requests_total", 0) for r, s in stats.items()}

@@ -202,3 +202,13 @@ def test_api_keys_come_from_config_and_env():
     config = ServerConfig(api_keys=["a"])
     assert api_keys(config, {"APP_API_KEYS": " b, c ,,"}) == {"a", "b", "c"}
     assert api_keys(ServerConfig(), {}) == frozenset()
+
+
+def test_a_dead_replica_is_a_503_that_does_not_leak_ray_internals():
+    from ray.exceptions import ActorDiedError
+
+    from app.deployments.errors import to_openai_error
+
+    err = to_openai_error(ActorDiedError(), {}, 1)
+    assert err.status_code == 503 and err.code == "engine_unavailable" and err.retry_after_s == 1
+    assert "actor" not in err.message.lower() and "pid" not in err.message

@@ -53,7 +53,13 @@ def tokenizer():
 
 
 def llm_server_stats(app_name: str) -> dict:
-    return serve.get_deployment_handle("LLMServer", app_name).get_stats.remote().result()
+    """The app's one LLMServer replica's latest stats, as reported to the app's index (every second)."""
+    import ray
+
+    from app.router.index_actor import get_index
+
+    (stats,) = wait_until(lambda: list(ray.get(get_index(app_name).replica_stats.remote()).values()), timeout_s=30)
+    return stats
 
 
 def metric(text: str, name: str, **labels) -> float:
@@ -203,8 +209,8 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(base_url):
                     chunks.append(json.loads(line[6:]))
                 if len(chunks) == 3:
                     break
-            during = llm_server_stats("tiny")
-            assert during["num_running"] == 1 and during["num_free_kv_blocks"] < before["num_free_kv_blocks"]
+            during = wait_until(lambda: (s := llm_server_stats("tiny"))["num_running"] == 1 and s, timeout_s=30)
+            assert during and during["num_free_kv_blocks"] < before["num_free_kv_blocks"]
     # The connection is closed: the engine aborts the request and frees its blocks.
     after = wait_until(lambda: (s := llm_server_stats("tiny"))["num_running"] == 0 and s, timeout_s=30)
     assert after and after["num_free_kv_blocks"] == before["num_free_kv_blocks"]

@@ -123,7 +123,7 @@ def _batch(*events):
 
 
 def test_an_index_that_restarted_asks_each_replica_for_its_blocks_once():
-    from app.router.kv_router import KVIndexActor
+    from app.router.index_actor import KVIndexActor
 
     index = KVIndexActor()
     assert index.status("a") == (index.epoch, False)
@@ -136,7 +136,7 @@ def test_an_index_that_restarted_asks_each_replica_for_its_blocks_once():
 
 
 def test_a_gap_in_the_batches_drops_the_replica_and_asks_for_a_resync():
-    from app.router.kv_router import KVIndexActor
+    from app.router.index_actor import KVIndexActor
 
     index = KVIndexActor()
     index.publish("a", 1, _batch(stored(1, 2)))
@@ -146,7 +146,7 @@ def test_a_gap_in_the_batches_drops_the_replica_and_asks_for_a_resync():
 
 
 def test_retain_from_a_stale_view_keeps_replicas_that_are_alive():
-    from app.router.kv_router import KVIndexActor
+    from app.router.index_actor import KVIndexActor
 
     index = KVIndexActor()
     index.publish("live", 1, _batch(stored(1)))

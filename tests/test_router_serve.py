@@ -17,7 +17,7 @@ APP = "llm"
 BLOCK = 16
 
 
-def deploy_config(num_replicas: int = 3) -> None:
+def deploy_config(num_replicas: int = 3, **router) -> None:
     """serve_config.yaml with LLMServer num_replicas changed, deployed like `serve run` does."""
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
@@ -29,6 +29,8 @@ def deploy_config(num_replicas: int = 3) -> None:
         if d["name"] == "LLMServer":
             d["num_replicas"] = num_replicas
     app["args"]["engine"]["kv_cache_memory"] = "256MiB"
+    if router:
+        app["args"]["router"] = router
     schema = ServeDeploySchema.model_validate({"applications": [app]})
     _get_global_client().deploy_apps(schema, _blocking=False)  # the fixture waits (Serve's own wait is 60 s)
 
@@ -49,7 +51,7 @@ def _num_running_replicas() -> int:
 
 
 def _index():
-    from app.router.kv_router import get_index
+    from app.router.index_actor import get_index
 
     return get_index(APP)
 
@@ -164,6 +166,22 @@ def test_a_restarted_index_is_rebuilt_by_the_replicas(url):
     assert complete(url, prompt, session="resync-1")["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_an_index_killed_for_good_is_replaced_by_its_deployment_and_rebuilt(url):
+    """No restarts left: the KVIndex deployment's health check creates a new actor, the replicas
+    resync into it, and the routers' copies follow it (a session's next turn hits the cache)."""
+    prompt = "Another long system prompt, for the replacement check. " * 4
+    complete(url, prompt, session="replace-1")
+    before = _confirmed_holders(prompt)
+    owner = max(before, key=before.get)
+    old = _index()
+    epoch = ray.get(old.status.remote("test"))[0]
+    ray.kill(old, no_restart=True)
+    assert wait_until(lambda: _alive_epoch() not in (None, epoch), timeout_s=60)
+    after = wait_until(lambda: _holders(prompt).get(owner, 0) >= before[owner], timeout_s=30)
+    assert after, _holders(prompt)
+    assert complete(url, prompt, session="replace-1")["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 def _alive_epoch():
     try:
         return ray.get(_index().status.remote("test"), timeout=2)[0]
@@ -188,3 +206,20 @@ def test_killed_replica_leaves_the_index_and_later_requests_succeed(url):
     gone = wait_until(lambda: victim_id not in ray.get(_index().stats.remote())["replicas"]
                       and victim_id not in ray.get(_index().replica_stats.remote()), timeout_s=30)
     assert gone, ray.get(_index().stats.remote())
+
+
+def _index_settings():
+    try:
+        return ray.get(_index().dump.remote(), timeout=5)[2]
+    except Exception:
+        return None
+
+
+def test_the_index_takes_the_current_config_and_goes_with_the_application(url):
+    """Last in this module: a redeploy with other index settings gets an index with those settings
+    (a detached index used to keep the first deploy's), and deleting the application removes it."""
+    assert _index_settings()["max_blocks"] == 1_000_000
+    deploy_config(1, index_max_blocks=4096)
+    assert wait_until(lambda: (_index_settings() or {}).get("max_blocks") == 4096, timeout_s=120), _index_settings()
+    serve.delete(APP)
+    assert wait_until(lambda: _index() is None, timeout_s=60)

@@ -1,8 +1,9 @@
 """`build_app(args) -> Application`: the entry point `serve run serve_config.yaml` imports.
 
-`args` is a ServerConfig (app/config.py). The application is two deployments with stable names:
+`args` is a ServerConfig (app/config.py). The application is three deployments with stable names:
 `OpenAIIngress` (HTTP + Python handle API, stateless, scales out) in front of `LLMServer` (one
-engine replica per node). Each LLMServer replica gets a placement group sized to its
+engine replica per node), and `KVIndex` (one replica, no resources: it owns the application's KV
+index actor, which the replicas publish to and the routers follow; app/router/index_actor.py). Each LLMServer replica gets a placement group sized to its
 tensor-parallel workers (placement_options below); anything set under `deployments:` in the YAML
 overrides what is derived here.
 """
@@ -17,6 +18,7 @@ from app.config import ServerConfig
 from app.deployments.ingress import OpenAIIngress
 from app.deployments.llm_server import LLMServer
 from app.engine.parallel import placement_bundles
+from app.router.index_actor import INDEX_DEPLOYMENT_NAME, KVIndex
 
 LLM_SERVER_NAME = "LLMServer"
 INGRESS_NAME = "OpenAIIngress"
@@ -82,9 +84,13 @@ def build_app(args: dict | ServerConfig | None = None) -> Application:
         **placement_options(config),
         **router_options(config),
     )
+    index = serve.deployment(KVIndex).options(
+        name=INDEX_DEPLOYMENT_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0},
+        health_check_period_s=2, health_check_timeout_s=30,
+    )
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_NAME,
         max_ongoing_requests=4 * (engine.max_num_seqs + config.max_queued_requests),
         ray_actor_options={"num_cpus": _INGRESS_CPUS},
     )
-    return ingress.bind(server.bind(config), config)
+    return ingress.bind(server.bind(config, kv_index=index.bind(config)), config)

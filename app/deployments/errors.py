@@ -43,7 +43,10 @@ def to_openai_error(e: BaseException, fields: dict[str, str], retry_after_s: int
         return InternalServerError(f"the request failed: {message}")
     if isinstance(cause, engine_errors.RequestTimeoutError):
         return RequestTimeoutError(message)
-    if isinstance(cause, (EngineDeadError, RayActorError)):
+    if isinstance(cause, RayActorError):  # the replica process died: Ray's text names its pid, ip, actor id
+        return ServiceUnavailableError("the engine replica serving this request went away; retry later",
+                                       code="engine_unavailable", retry_after_s=retry_after_s)
+    if isinstance(cause, EngineDeadError):
         return ServiceUnavailableError(f"the engine is unavailable ({message}); retry later",
                                        code="engine_unavailable", retry_after_s=retry_after_s)
     return e

@@ -187,11 +187,17 @@ class OpenAIIngress(OpenAIServing):
             except OpenAIError as e:
                 return error_response(e)
         try:
-            stats = await asyncio.wait_for(self._fetch_stats(), timeout=_STATS_TIMEOUT_S)
-            self.metrics.engine.update(stats)
-        except Exception as e:  # an engine busy or restarting must not break the scrape
+            self.metrics.engine.replace(await asyncio.wait_for(self._fetch_stats(), timeout=_STATS_TIMEOUT_S))
+        except Exception as e:  # an index restarting must not break the scrape (series keep their values)
             logger.warning("engine stats unavailable for /metrics: %r", e)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
-    async def _fetch_stats(self) -> dict:
-        return await self.llm_server.get_stats.remote()
+    async def _fetch_stats(self) -> dict[str, dict]:
+        """Every live LLMServer replica's latest stats, as each reported them to the index (the one
+        stats path: replicas report once per routing-stats period)."""
+        from app.router.index_actor import get_index
+
+        index = get_index(serve.get_replica_context().app_name)
+        if index is None:
+            raise LookupError("the application's KV index is not running")
+        return await index.replica_stats.remote()

@@ -2,9 +2,10 @@
 
 The ingress tokenizes and sends a `GenerateRequest`; `generate` streams the engine's
 `RequestOutput` deltas back (call it with `handle.options(stream=True)`). A caller that goes away
-cancels the stream, which aborts the request and frees its KV blocks. The replica also reports
-routing stats (Ray Serve calls `record_routing_stats` periodically) and keeps its KV events in
-numbered batches for the KV-aware router to consume.
+cancels the stream, which aborts the request and frees its KV blocks. The replica publishes its
+KV events, in numbered batches, and its engine stats (each time Ray Serve calls
+`record_routing_stats`) to the application's index actor (app/router/index_actor.py), which the
+KV-aware routers follow and /metrics reads.
 
 The engine class is injected (`engine_cls`), so a test can run the server on any engine with the
 same interface; by default it is AsyncLLMEngine over our LLMEngine.
@@ -12,7 +13,6 @@ same interface; by default it is AsyncLLMEngine over our LLMEngine.
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -23,34 +23,29 @@ from app.engine.async_engine import AsyncLLMEngine
 from app.engine.engine import RequestOutput
 from app.engine.kv_events import KVEvent
 from app.engine.sampling_params import SamplingParams
-from app.deployments.types import GenerateRequest, KVEventBatch, ModelInfo
+from app.deployments.types import GenerateRequest, ModelInfo
 from app.router.events import encode_batch
 
-__all__ = ["LLMServer", "GenerateRequest", "KVEventBatch", "ModelInfo"]
+__all__ = ["LLMServer", "GenerateRequest", "ModelInfo"]
 
 logger = logging.getLogger(__name__)
-
-_MAX_KV_EVENT_BATCHES = 4096  # kept for consumers that poll; older batches are dropped
 
 
 class LLMServer:
     """The engine replica. Ray Serve deployment name: LLMServer (see builder.py)."""
 
-    def __init__(self, config: ServerConfig | dict, engine_cls=AsyncLLMEngine) -> None:
+    def __init__(self, config: ServerConfig | dict, engine_cls=AsyncLLMEngine, kv_index=None) -> None:
+        """`kv_index`: the handle of the application's KVIndex deployment; binding it here makes it
+        part of the application (the replica talks to the actor it owns, by name)."""
         self.config = config = ServerConfig.model_validate(config)
-        self.replica_id, app_name = _replica_identity()
-        # The application's shared KV index actor (the KV-aware router reads it; it also keeps every
-        # replica's latest stats, with or without that router); None outside Ray Serve.
+        self.replica_id, self._app_name = _replica_identity()
+        # The application's index actor (created by its KVIndex deployment; the KV-aware routers
+        # follow it, /metrics reads the stats kept there). Looked up lazily and again after it
+        # fails: it may start after this replica or be replaced. Always None outside Ray Serve.
         self._index = None
-        if app_name is not None:
-            from app.router.kv_router import get_or_create_index
-
-            self._index = get_or_create_index(
-                app_name, max_blocks=config.router.index_max_blocks, predicted_ttl_s=config.router.predicted_ttl_s
-            )
+        self._index_looked_up_at = float("-inf")
         self._pending_events: list[KVEvent] = []
         self._events_lock = threading.Lock()
-        self._batches: collections.deque[KVEventBatch] = collections.deque(maxlen=_MAX_KV_EVENT_BATCHES)
         self._next_batch_seq = 1
         self._last_cut = time.monotonic()
         self._index_epoch: str | None = None  # the index's epoch when this replica last heard it
@@ -99,22 +94,30 @@ class LLMServer:
         self.engine.check_health()
 
     def stats(self) -> dict:
-        """Engine state and counters (as of the latest step), for /metrics and the router."""
+        """Engine state and counters (as of the latest step), as reported to the index."""
         return {**self.engine.snapshot, "replica_id": self.replica_id, "kv_event_seq": self._next_batch_seq - 1}
 
-    async def get_stats(self) -> dict:
-        return self.stats()
-
     def record_routing_stats(self) -> dict:
-        """Ray Serve's hook (request_router_config.request_routing_stats_period_s): what a request
-        router sees of this replica as `replica.routing_stats`."""
+        """Ray Serve's hook (request_router_config.request_routing_stats_period_s), called every
+        period whichever router the deployment has: what a request router sees of this replica as
+        `replica.routing_stats`. It is also this replica's heartbeat to the index: its stats, the
+        pending KV events, and a status poll."""
         self._cut_batch()
         s = self.stats()
-        if self._index is not None:
-            self._index.report_stats.remote(self.replica_id, s)
+        index = self._index_actor()
+        if index is not None:
+            index.report_stats.remote(self.replica_id, s)
             self._poll_index()
         return {k: s[k] for k in ("num_running", "num_waiting", "num_queued_tokens", "num_free_kv_blocks",
                                   "num_kv_blocks", "kv_event_seq")}
+
+    def _index_actor(self):
+        if self._index is None and self._app_name is not None and time.monotonic() - self._index_looked_up_at > 1.0:
+            from app.router.index_actor import get_index
+
+            self._index_looked_up_at = time.monotonic()
+            self._index = get_index(self._app_name)
+        return self._index
 
     def _poll_index(self) -> None:
         """Resync the router's index when it asks for this replica's full block set (after a gap in
@@ -131,8 +134,9 @@ class LLMServer:
             self._status_ref = None
             try:
                 epoch, wanted = ray.get(ref)
-            except Exception as e:  # the index is restarting: ask again next time
+            except Exception as e:  # the index is restarting or was replaced: look it up again
                 logger.info("KV index status unavailable (%r)", e)
+                self._index = None
                 return
             if wanted or (self._index_epoch is not None and epoch != self._index_epoch):
                 self._publish_snapshot(epoch)
@@ -159,20 +163,13 @@ class LLMServer:
             self._last_cut = time.monotonic()
             if not self._pending_events:
                 return
-            batch = KVEventBatch(self._next_batch_seq, time.time(), self.replica_id, self._pending_events)
-            self._pending_events = []
+            events, self._pending_events = self._pending_events, []
+            seq = self._next_batch_seq
             self._next_batch_seq += 1
-            self._batches.append(batch)
-            if self._index is not None:
-                self._index.publish.remote(self.replica_id, batch.seq, encode_batch(batch.ts, batch.events))
-
-    async def kv_event_batches(self, after_seq: int = 0) -> list[KVEventBatch]:
-        """Batches numbered above `after_seq`, oldest first (pending events are cut first). A
-        consumer whose `after_seq` is older than the oldest kept batch has missed events and
-        should drop what it knows of this replica (the first batch's seq tells it)."""
-        self._cut_batch()
-        with self._events_lock:
-            return [b for b in self._batches if b.seq > after_seq]
+            # Numbered even while no index is there: a new index sees the gap and asks for a resync.
+            index = self._index
+            if index is not None:
+                index.publish.remote(self.replica_id, seq, encode_batch(time.time(), events))
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

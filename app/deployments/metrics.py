@@ -2,11 +2,10 @@
 
 Request metrics are counted where requests pass, in this ingress replica: requests by endpoint
 and status, time to first token, time per output token, prompt / generated / cached tokens.
-Engine metrics come from `LLMServer.get_stats`, fetched when /metrics is scraped: one handle
-call reaches one LLMServer replica, so with several replicas each scrape refreshes one of them.
-Engine gauges are therefore labelled by `replica_id`, and each replica's series keeps the latest
-values this ingress replica has seen from it (a replica not reached for a while shows older
-values; a replica that is gone keeps its last values until the ingress restarts).
+Engine metrics are every live LLMServer replica's latest stats, read from the application's
+index actor when /metrics is scraped (each replica reports there once per routing-stats period,
+default 1 s), labelled by `replica_id`. A replica that is gone leaves the series once the index
+drops it (at once when it dies; after 10 s of silence otherwise).
 """
 
 from __future__ import annotations
@@ -39,15 +38,15 @@ _ENGINE_SERIES = (
 
 
 class EngineStatsCollector(Collector):
-    """The latest `get_stats()` of each LLMServer replica, as series labelled by replica_id."""
+    """The latest stats of each LLMServer replica, as series labelled by replica_id."""
 
     def __init__(self) -> None:
         self._latest: dict[str, dict] = {}
         self._lock = threading.Lock()
 
-    def update(self, stats: dict) -> None:
+    def replace(self, stats_by_replica: dict[str, dict]) -> None:
         with self._lock:
-            self._latest[str(stats.get("replica_id", "unknown"))] = dict(stats)
+            self._latest = {str(r): dict(s) for r, s in stats_by_replica.items()}
 
     def collect(self):
         with self._lock:

@@ -1,12 +1,11 @@
 """Types the serving layers share: what the ingress (or a Python caller) sends an LLMServer replica,
-what a replica publishes for the router, what it reports about its model. Their own module, so that
+what a replica reports about its model. Their own module, so that
 the router and the server import them without importing each other."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app.engine.kv_events import KVEvent
 from app.engine.sampling_params import SamplingParams
 
 
@@ -20,16 +19,6 @@ class GenerateRequest:
     prompt: str | None = None  # the text, for outputs; the engine only reads the ids
     session_id: str | None = None  # agent session (x-session-id or `user`), for routing
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the prompt's full blocks
-
-
-@dataclass(slots=True)
-class KVEventBatch:
-    """KV events of one publishing period, numbered so a consumer can detect gaps."""
-
-    seq: int  # 1, 2, 3, ... per replica
-    ts: float  # time.time() when the batch was cut
-    replica_id: str
-    events: list[KVEvent]
 
 
 @dataclass(slots=True)

@@ -60,6 +60,10 @@ class PrefixIndex:
         for event in events:
             self.apply(replica, event)
 
+    def add_confirmed(self, replica: ReplicaId, block_hashes: Sequence[BlockHash]) -> None:
+        """Blocks the replica holds for sure (as a BlockStored event would say), e.g. from a dump."""
+        self._add(replica, block_hashes, None)
+
     def record_routed(self, replica: ReplicaId, block_hashes: Sequence[BlockHash]) -> None:
         """A request with these prompt blocks was sent to `replica` (predicted entries)."""
         self._add(replica, block_hashes, self._clock() + self.predicted_ttl_s)
@@ -137,6 +141,15 @@ class PrefixIndex:
     @property
     def replicas(self) -> list[ReplicaId]:
         return [r for r, hs in self._by_replica.items() if hs]
+
+    def confirmed_blocks(self) -> dict[ReplicaId, list[BlockHash]]:
+        """Replica -> the blocks events confirmed it holds, least recently used first (a dump)."""
+        out: dict[ReplicaId, list[BlockHash]] = {}
+        for h, holders in self._blocks.items():
+            for r, expiry in holders.items():
+                if expiry is None:
+                    out.setdefault(r, []).append(h)
+        return out
 
     def num_blocks_of(self, replica: ReplicaId) -> int:
         return len(self._by_replica.get(replica, ()))
