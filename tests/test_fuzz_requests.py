@@ -8,29 +8,11 @@ import asyncio
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from hypothesis_jsonschema import from_schema
 
 from app.deployments.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from app.deployments.serving import OpenAIServing
+from bench.request_fuzz import bodies
 from tests.test_handle_serving import BLOCK_SIZE, FakeLLMServer
-
-MODEL = "tiny-llama"
-# JSON of any shape, to mix in with schema-shaped bodies (wrong types, unknown fields)
-ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-                        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
-                                                                                    max_size=4), max_leaves=12)
-
-
-def _bodies(schema_model):
-    """Schema-valid bodies (half of them naming the served model), with random extra or replaced
-    fields drawn from ANY_JSON."""
-    schema = from_schema(schema_model.model_json_schema())
-    fields = list(schema_model.model_fields)
-    return st.tuples(schema, st.booleans(), st.dictionaries(st.sampled_from(fields + ["junk"]), ANY_JSON,
-                                                             max_size=2)).map(
-        lambda t: {**t[0], **({"model": MODEL} if t[1] else {}), **t[2]})
-
 
 def _run(serving, operation, body) -> None:
     async def consume():
@@ -55,12 +37,12 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 
 @FUZZ
-@given(body=_bodies(CompletionRequest))
+@given(body=bodies(CompletionRequest))
 def test_fuzzed_completion_bodies_get_a_response_or_a_4xx(serving, body):
     _run(serving, serving.completions, body)
 
 
 @FUZZ
-@given(body=_bodies(ChatCompletionRequest))
+@given(body=bodies(ChatCompletionRequest))
 def test_fuzzed_chat_bodies_get_a_response_or_a_4xx(serving, body):
     _run(serving, serving.chat, body)

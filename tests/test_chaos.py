@@ -1,0 +1,31 @@
+"""The chaos run (bench/chaos.py), shortened: `serve run` with 3 LLMServer replicas, agent
+sessions, fuzzed bodies and clients that leave mid-stream, while one replica and then the KV
+index actor are killed. The counts that must be zero are zero, and routing quality comes back
+within 30 s of the index kill. The full run and its numbers are in bench/RESULTS.md."""
+
+import sys
+
+from tests.serve_testing import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+import chaos  # noqa: E402
+
+
+def test_chaos_run_counts_no_hang_no_5xx_no_request_death_no_leak():
+    r = chaos.run(chaos.parse_args(["--replicas", "3", "--sessions", "4", "--duration", "40", "--fuzz-bodies", "40",
+                                    "--disconnect-every", "3"]))
+    print(chaos.to_markdown(r))
+    counts = r["counts"]
+    for kind, c in counts.items():
+        assert c["hung"] == 0 and c["server_errors"] == 0 and c["broken"] == 0, (kind, c, r["server_errors"],
+                                                                                r["broken"])
+    assert counts["sessions"]["completed"] >= 20, counts
+    assert sum(n for s, n in counts["fuzz"]["clean_errors"].items() if str(s).startswith("4")) > 0, counts
+    assert counts["disconnects"]["disconnected"] > 0, counts
+    # the streams running on the killed replica ended with an OpenAI error event, the others completed
+    killed = counts["in flight at the replica kill"]
+    assert killed["completed"] + sum(killed["clean_errors"].values()) == killed["sent"], killed
+    assert any(e.endswith("replicas") and e.startswith("new index") for _, e in r["events"]), r["events"]
+    assert r["replicas_died_unasked"] == [], r["events"]
+    assert r["idle_replicas_checked"] == 3 and sum(r["kv_blocks_leaked"].values()) == 0, r["kv_blocks_leaked"]
+    assert r["routing_recovered_after_s"] is not None and r["routing_recovered_after_s"] <= 30, r["windows"]
