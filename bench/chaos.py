@@ -336,6 +336,8 @@ def start_serve(args, workdir: Path) -> tuple[subprocess.Popen, str]:
         if d["name"] == "LLMServer":
             d["num_replicas"] = args.replicas
     app["args"]["engine"]["kv_cache_memory"] = args.kv_cache_memory
+    # reliability, not the model, is under test: the tiny model (byte tokenizer: 1 char = 1 token)
+    app["args"]["engine"]["model"] = app["args"]["model_id"] = MODEL
     app["args"]["request_timeout_s"] = args.request_timeout
     path = workdir / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -50,6 +50,7 @@ def deploy(replicas: int, kv_router: bool, engine_overrides: dict) -> None:
             d["num_replicas"] = replicas
             if not kv_router:
                 d.pop("request_router_config", None)
+    app["args"]["engine"]["model"] = app["args"]["model_id"] = "tiny-llama"  # the byte tokenizer: 1 char = 1 token
     app["args"]["engine"].update(engine_overrides)
     app["args"].setdefault("router", {})["enabled"] = kv_router
     from ray import serve

@@ -29,6 +29,7 @@ def deploy_config(num_replicas: int = 3, **router) -> None:
         if d["name"] == "LLMServer":
             d["num_replicas"] = num_replicas
     app["args"]["engine"]["kv_cache_memory"] = "256MiB"
+    app["args"]["engine"]["model"] = app["args"]["model_id"] = "tiny-llama"  # routing, not the model, is tested
     if router:
         app["args"]["router"] = router
     schema = ServeDeploySchema.model_validate({"applications": [app]})

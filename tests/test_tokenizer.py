@@ -320,13 +320,19 @@ def test_load_tokenizer_dispatch(tmp_path, llama3_dir):
         load_tokenizer(str(tmp_path / "tiny.bin"), vocab_size=100)
 
 
-@pytest.mark.parametrize("name", ["model.gguf", "empty_dir", "missing.bin"])
+@pytest.mark.parametrize("name", ["empty_dir", "missing.bin"])
 def test_load_tokenizer_rejects_unknown_paths(tmp_path, name):
     path = tmp_path / name
-    if name == "model.gguf":
-        path.write_bytes(b"GGUF")
-    elif name == "empty_dir":
+    if name == "empty_dir":
         path.mkdir()
     with pytest.raises(ValueError) as err:
         load_tokenizer(str(path))
     assert str(path) in str(err.value) and "tokenizer.json" in str(err.value) and "*.bin" in str(err.value)
+
+
+def test_load_tokenizer_names_a_broken_gguf_file(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="not a readable GGUF file") as err:
+        load_tokenizer(str(path))
+    assert str(path) in str(err.value)

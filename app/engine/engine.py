@@ -16,6 +16,7 @@ from app.config import EngineConfig
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import InvalidRequestError
 from app.engine.executor import Executor, LocalExecutor
+from app.engine.gguf_file import is_gguf, resolve_model_name
 from app.engine.kv_cache import KVCacheSpec, kv_bytes_per_token
 from app.engine.kv_cache_manager import KVCacheManager
 from app.engine.kv_events import KVEvent
@@ -83,9 +84,11 @@ class _RequestState:
 def resolve_tokenizer(config: EngineConfig, vocab_size: int) -> Tokenizer:
     """The tokenizer of config (or of the model); its ids must all exist in the model's vocab."""
     if config.tokenizer is not None:
-        return load_tokenizer(config.tokenizer, vocab_size=vocab_size)
-    model = Path(config.model)
+        return load_tokenizer(resolve_model_name(config.tokenizer), vocab_size=vocab_size)
+    model = Path(resolve_model_name(config.model)) if config.model not in DUMMY_MODELS else Path(config.model)
     if model.is_dir() and (model / "tokenizer.json").exists():
+        return load_tokenizer(str(model), vocab_size=vocab_size)
+    if is_gguf(str(model)):
         return load_tokenizer(str(model), vocab_size=vocab_size)
     if config.model in DUMMY_MODELS or config.load_format == "dummy":
         return load_tokenizer(None, vocab_size=vocab_size)

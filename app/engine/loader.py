@@ -4,7 +4,9 @@ Accepted forms of `model`:
 - a name in DUMMY_MODELS: random weights, no files needed ("tiny-llama" is the embedded default);
 - a directory with config.json: *.safetensors weights (one file, or sharded with
   model.safetensors.index.json), or random weights with load_format="dummy";
-- a path ending in .bin: a llama2.c "v0" checkpoint (e.g. shared/models/stories260K).
+- a path ending in .bin: a llama2.c "v0" checkpoint (e.g. shared/models/stories260K);
+- a path ending in .gguf, or a name in gguf_file.MODEL_PACKAGES (smollm2-135m-instruct): a GGUF
+  file, dequantized on load (app/engine/gguf_file.py).
 
 The model is built on the meta device and materialized directly on `device` in `dtype`, so an
 8B model never exists in fp32 on the CPU.
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from app.engine.gguf_file import MODEL_PACKAGES, is_gguf, load_gguf, read_gguf_config, resolve_model_name
 from app.engine.models.llama import LlamaConfig, LlamaForCausalLM
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -69,8 +72,7 @@ def load_model(
     (full) config; see the module docstring."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)} (got {load_format!r})")
-    path = Path(model)
-    config, load = _resolve(model)
+    config, load, path = _resolve(model)
     device = torch.device(device)
     with torch.device("meta"):
         module = LlamaForCausalLM(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
@@ -94,18 +96,21 @@ def load_model_config(model: str) -> LlamaConfig:
     return _resolve(model)[0]
 
 
-def _resolve(model: str) -> tuple[LlamaConfig, Callable[[LlamaForCausalLM, Path], None] | None]:
-    """(config, function that loads the weights; None for built-in dummies)."""
-    path = Path(model)
+def _resolve(model: str) -> tuple[LlamaConfig, Callable[[LlamaForCausalLM, Path], None] | None, Path]:
+    """(config, function that loads the weights (None for built-in dummies), path of the files)."""
     if model in DUMMY_MODELS:
-        return dataclasses.replace(DUMMY_MODELS[model]), None  # a copy: callers may edit it
+        return dataclasses.replace(DUMMY_MODELS[model]), None, Path(model)  # a copy: callers may edit it
+    path = Path(resolve_model_name(model))
     if path.is_dir() and (path / "config.json").is_file():
-        return LlamaConfig.from_hf(json.loads((path / "config.json").read_text())), _load_safetensors_dir
+        return LlamaConfig.from_hf(json.loads((path / "config.json").read_text())), _load_safetensors_dir, path
     if path.suffix == ".bin" and path.is_file():
-        return read_llama2c_config(path), _load_llama2c
+        return read_llama2c_config(path), _load_llama2c, path
+    if is_gguf(str(path)):
+        return read_gguf_config(path), load_gguf, path
     raise ValueError(
         f"cannot load model {model!r}: expected one of the built-in names {sorted(DUMMY_MODELS)}, "
-        f"a directory containing config.json and *.safetensors, or a llama2.c checkpoint file ending in .bin")
+        f"a GGUF model name {sorted(MODEL_PACKAGES)}, a directory containing config.json and *.safetensors, "
+        f"a .gguf file, or a llama2.c checkpoint file ending in .bin")
 
 
 def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:

