@@ -178,7 +178,7 @@ def test_bad_requests_raise_and_change_nothing(stories_paths, prompt, params, ma
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_k": -5}, "top_k"),

@@ -77,7 +77,7 @@ def test_a_dict_request_is_validated_like_json(handle):
 @pytest.mark.parametrize(
     "request_, error, param",
     [
-        (CompletionRequest(model=TINY, prompt="hi", max_tokens=0), BadRequestError, "max_tokens"),
+        (CompletionRequest(model=TINY, prompt="hi", max_tokens=-1), BadRequestError, "max_tokens"),
         (CompletionRequest(model=TINY, prompt="hi", temperature=-1), BadRequestError, "temperature"),
         (CompletionRequest(model=TINY, prompt="x" * 1100), BadRequestError, "prompt"),
         ({"model": TINY, "prompt": "hi", "n": 2}, BadRequestError, "n"),
@@ -95,7 +95,7 @@ def test_bad_request_raises_a_typed_error(handle, request_, error, param):
 
 def test_bad_chat_raises_a_typed_error(handle):
     request = ChatCompletionRequest(model=TINY, messages=[{"role": "user", "content": "hi"}],
-                                    max_completion_tokens=0)
+                                    max_completion_tokens=-1)
     with pytest.raises(BadRequestError) as e:
         list(handle.options(stream=True).chat.remote(request))
     assert e.value.param == "max_completion_tokens"

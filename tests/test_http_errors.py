@@ -72,9 +72,9 @@ BAD_REQUESTS = {
     "unknown role": (CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role", ["role"]),
     "image content": (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
                       "messages[0].content", ["text"]),
-    "max_tokens 0": (COMPLETIONS, completion(max_tokens=0), 400, "max_tokens", ["max_tokens", ">= 1", "0"]),
-    "max_completion_tokens 0": (CHAT, drop(chat(max_completion_tokens=0), "max_tokens"), 400,
-                                "max_completion_tokens", [">= 1"]),
+    "max_tokens -1": (COMPLETIONS, completion(max_tokens=-1), 400, "max_tokens", ["max_tokens", ">= 0", "-1"]),
+    "max_completion_tokens -1": (CHAT, drop(chat(max_completion_tokens=-1), "max_tokens"), 400,
+                                 "max_completion_tokens", [">= 0"]),
     "negative temperature": (COMPLETIONS, completion(temperature=-0.5), 400, "temperature", [">= 0"]),
     "negative temperature (chat)": (CHAT, chat(temperature=-1), 400, "temperature", [">= 0"]),
     "top_p 0": (COMPLETIONS, completion(top_p=0), 400, "top_p", ["top_p"]),
@@ -92,7 +92,7 @@ BAD_REQUESTS = {
                                [str(MAX_MODEL_LEN)]),
     "prompt + max_tokens too long": (COMPLETIONS, completion(prompt="x" * 100, max_tokens=500), 400, None,
                                      ["101", "500", str(MAX_MODEL_LEN)]),
-    "echo": (COMPLETIONS, completion(echo=True), 400, "echo", ["not supported"]),
+    "suffix": (COMPLETIONS, completion(suffix="and then"), 400, "suffix", ["not supported"]),
     # a seed past 64 bits once passed validation and killed the replica's engine loop
     "seed 2**64": (COMPLETIONS, completion(seed=2 ** 64), 400, "seed", ["64-bit", str(2 ** 64)]),
     "seed below -2**63 (chat)": (CHAT, chat(seed=-(2 ** 63) - 1), 400, "seed", ["64-bit"]),
@@ -132,7 +132,7 @@ def test_a_body_past_the_limit_is_413_before_it_is_parsed(http):
 
 
 def test_streaming_bad_request_is_refused_before_the_stream(http):
-    r = http.post(COMPLETIONS, json=completion(max_tokens=0, stream=True))
+    r = http.post(COMPLETIONS, json=completion(max_tokens=-1, stream=True))
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     r = http.post(CHAT, json=chat(model="nope", stream=True))
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
@@ -141,7 +141,7 @@ def test_streaming_bad_request_is_refused_before_the_stream(http):
 def test_openai_client_raises_its_typed_errors(base_url):
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=TINY, prompt="Hello", max_tokens=0)
+        client.completions.create(model=TINY, prompt="Hello", max_tokens=-1)
     assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])

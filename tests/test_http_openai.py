@@ -134,6 +134,36 @@ def test_chat_logprobs(client):
     assert all(abs(t.logprob - t.top_logprobs[0].logprob) < 1e-5 for t in content)
 
 
+def test_echo_returns_the_prompt_logprobs_the_engine_computes(client, base_url):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0. Over HTTP (the
+    official client) and over the Python handle, equal to the engine's own prompt logprobs (the
+    offline API with the app's engine settings), the first token's null."""
+    from app.config import ServerConfig
+    from app.engine.sampling_params import SamplingParams
+    from app.llm import LLM
+
+    text = "Agents score this sentence token by token."
+    body = dict(model=TINY, prompt=text, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    out = client.completions.create(**body)
+    choice = out.choices[0]
+    assert choice.text == text and out.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == "<s>" + text and lp.text_offset[:2] == [0, 3]  # BOS, then the prompt's tokens
+    assert all(len(top) >= 2 and tok in top for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
+
+    handle = serve.get_app_handle("tiny")
+    (via_handle,) = handle.options(stream=True).completions.remote(body)
+    assert via_handle.choices[0].logprobs.token_logprobs == lp.token_logprobs
+
+    engine = ServerConfig.model_validate(TINY_ARGS).engine
+    llm = LLM(**engine.model_dump())
+    ids = llm.tokenizer.encode(text)
+    ref = llm.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+    assert len(lp.token_logprobs) == len(ids)
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], ref.prompt_logprobs[1:])) < 1e-5
+
+
 def test_second_chat_turn_reports_cached_tokens(client):
     system = "You are the planning agent of swarm 7. Keep every answer short and concrete. " * 2
     turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "List the next step."}]

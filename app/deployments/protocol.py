@@ -170,10 +170,12 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[int] = Field(description="One prompt: text, or a list of token ids.")
-    max_tokens: int = Field(16, description="Most tokens to generate (>= 1). Default 16, as OpenAI's.")
+    max_tokens: int = Field(16, description="Most tokens to generate (>= 0; 0 with echo: the prompt only, "
+                            "e.g. to score it). Default 16, as OpenAI's.")
     logprobs: int | None = Field(None, description="Log-probabilities of the sampled token and this many "
-                                 "alternatives (0-20).")
-    echo: bool = Field(False, description="Not supported; must be false.")
+                                 "alternatives (0-20); with echo, of the prompt's tokens too.")
+    echo: bool = Field(False, description="Return the prompt before the completion (and, with logprobs, the "
+                       "prompt tokens' log-probabilities, the first one null), as OpenAI's and vLLM's servers do.")
     suffix: str | None = Field(None, description="Not supported; must be absent.")
     best_of: int | None = Field(None, description="Not supported beyond 1.")
 
@@ -193,8 +195,6 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported_completion(self):
-        if self.echo:
-            raise FieldError("echo", "echo is not supported; leave it false")
         if self.suffix:
             raise FieldError("suffix", "suffix is not supported; leave it out")
         if self.best_of not in (None, 1):
@@ -308,8 +308,8 @@ def new_id(prefix: str) -> str:
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

@@ -95,26 +95,33 @@ class OpenAIServing:
         text = request.prompt if isinstance(request.prompt, str) else None
         prompt_ids = self.tokenizer.encode(text) if text is not None else list(request.prompt)
         fields: dict[str, str] = {}
-        params = sampling_params(request, request.max_tokens, request.logprobs, fields)
+        params = sampling_params(request, request.max_tokens, request.logprobs, fields,
+                                 prompt_logprobs=request.logprobs if request.echo else None)
         async for item in self._respond(COMPLETIONS, request, prompt_ids, params, session_id, fields, text):
             yield item
 
     async def _completion_items(self, request: CompletionRequest, rid: str, outputs):
         if not request.stream:
             final = await last_item(outputs)
-            logprobs = self._completion_logprobs(final.token_ids, final.logprobs, final.top_logprobs, 0)
+            echo_text, echo_logprobs = self._echo(request, final)
+            logprobs = self._completion_logprobs(final.token_ids, final.logprobs, final.top_logprobs,
+                                                 len(echo_text), echo_logprobs)
             yield CompletionResponse(id=rid, model=self.model_id, usage=_usage(final), choices=[
-                CompletionChoice(text=final.text, finish_reason=final.finish_reason, logprobs=logprobs)])
+                CompletionChoice(text=echo_text + final.text, finish_reason=final.finish_reason, logprobs=logprobs)])
             return
         offset = 0  # of the next token in the completion text, for logprobs.text_offset
+        first = True
         async for out in outputs:
             if out.delta_text or out.delta_token_ids or out.finished:
+                echo_text, echo_logprobs = self._echo(request, out) if first else ("", None)
+                first = False
                 logprobs = self._completion_logprobs(out.delta_token_ids, out.delta_logprobs,
-                                                     out.delta_top_logprobs, offset)
+                                                     out.delta_top_logprobs, offset + len(echo_text), echo_logprobs)
                 if logprobs is not None and logprobs.tokens:
                     offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                 yield CompletionStreamResponse(id=rid, model=self.model_id, choices=[
-                    CompletionChoice(text=out.delta_text, logprobs=logprobs, finish_reason=out.finish_reason)])
+                    CompletionChoice(text=echo_text + out.delta_text, logprobs=logprobs,
+                                     finish_reason=out.finish_reason)])
             if out.finished and request.include_usage:
                 yield CompletionStreamResponse(id=rid, model=self.model_id, choices=[], usage=_usage(out))
 
@@ -251,10 +258,39 @@ class OpenAIServing:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _completion_logprobs(self, token_ids, logprobs, top_logprobs, offset: int) -> CompletionLogprobs | None:
+    def _echo(self, request: CompletionRequest, out: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
+        """With echo: the prompt's text, and (with logprobs) its tokens' log-probabilities as OpenAI's
+        completions API gives them (the first token's null, each top dict holding the token itself)."""
+        if not request.echo:
+            return "", None
+        text = request.prompt if isinstance(request.prompt, str) else self.tokenizer.decode(
+            out.prompt_token_ids, skip_special_tokens=False)
+        if request.logprobs is None or out.prompt_logprobs is None:
+            return text, None
+        lp = CompletionLogprobs()
+        offset = 0
+        tops = out.prompt_top_logprobs or [None] * len(out.prompt_logprobs)
+        for i, (token_id, logprob, top) in enumerate(zip(out.prompt_token_ids, out.prompt_logprobs, tops)):
+            token = self._token_text(token_id)
+            lp.tokens.append(token)
+            lp.token_logprobs.append(logprob)
+            if i == 0:
+                lp.top_logprobs.append(None)
+            else:
+                alternatives = {self._token_text(t): v for t, v in top or []}
+                alternatives.setdefault(token, logprob)
+                lp.top_logprobs.append(alternatives)
+            lp.text_offset.append(offset)
+            offset += len(token)
+        return text, lp
+
+    def _completion_logprobs(self, token_ids, logprobs, top_logprobs, offset: int,
+                             head: CompletionLogprobs | None = None) -> CompletionLogprobs | None:
+        """The completion's token logprobs (text offsets from `offset`), after `head`'s (the echoed
+        prompt's) when given."""
         if logprobs is None or token_ids is None:
-            return None
-        out = CompletionLogprobs()
+            return head
+        out = head.model_copy(deep=True) if head is not None else CompletionLogprobs()
         for token_id, logprob, top in zip(token_ids, logprobs, top_logprobs):
             token = self._token_text(token_id)
             out.tokens.append(token)
@@ -279,10 +315,12 @@ class OpenAIServing:
         return ChatChoiceLogprobs(content=content)
 
 
-def sampling_params(request, max_tokens: int, logprobs: int | None, fields: dict[str, str]) -> SamplingParams:
+def sampling_params(request, max_tokens: int, logprobs: int | None, fields: dict[str, str],
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's SamplingParams (OpenAI's defaults); a bad value -> BadRequestError naming it."""
     try:
         return SamplingParams(
+            prompt_logprobs=prompt_logprobs,
             max_tokens=max_tokens,
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,

@@ -52,6 +52,11 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     delta_logprobs: list[float] | None = None
     delta_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With SamplingParams.prompt_logprobs, once the whole prompt is computed (the first output
+    # after that, and the final one): per prompt token its log-prob given the ones before (None
+    # for the first) and its N best alternatives.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     error: str | None = None  # why the request failed (finish_reason "error"); others are unaffected
     metrics: RequestMetrics | None = None  # on the final output
 
@@ -78,6 +83,9 @@ class _RequestState:
     num_sent_tokens: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = field(default=None)
+    prompt_logprobs: list[float | None] | None = None  # filled by position as prompt chunks compute
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_logprobs_sent: bool = False
     error: str | None = None
 
 
@@ -204,6 +212,9 @@ class LLMEngine:
                               RequestMetrics(time.perf_counter()))
         if params.logprobs is not None:
             state.logprobs, state.top_logprobs = [], []
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(prompt_ids)
+            state.prompt_top_logprobs = [None] * len(prompt_ids)
         with self._lock:
             self.scheduler.add_request(seq)  # raises (changing nothing) on a duplicate id
             self._requests[request_id] = state
@@ -242,10 +253,18 @@ class LLMEngine:
             sampled_seqs, out = self.executor.execute(sched)
             t2 = time.perf_counter()
             failed = self._fail_requests(sched, out.failed)
+            for rid, (start, lps, tops) in out.prompt_logprobs.items():
+                state = self._requests.get(rid)
+                if state is None or rid in out.failed:
+                    continue
+                # by position: a preempted request that recomputes its prompt writes the same slots
+                state.prompt_logprobs[start + 1: start + 1 + len(lps)] = lps
+                if tops is not None:
+                    state.prompt_top_logprobs[start + 1: start + 1 + len(tops)] = tops
             sampled = {}
             for i, seq in enumerate(sampled_seqs):
-                if seq.request_id in out.failed:
-                    continue
+                if seq.request_id in out.failed or seq.sampling_params.max_tokens == 0:
+                    continue  # max_tokens 0: the prompt only (the scheduler finishes it)
                 sampled[seq.request_id] = out.token_ids[i]
                 state = self._requests[seq.request_id]
                 if state.logprobs is not None:
@@ -265,6 +284,7 @@ class LLMEngine:
                     state.seq.status = SequenceStatus.FINISHED_STOPPED
                     state.seq.stop_reason = stop
                 outputs.append(self._finish(rid) if rid in finished else self._make_output(state))
+            outputs += [self._finish(rid) for rid in finished if rid not in sampled]  # max_tokens 0
             if timing:
                 t3 = time.perf_counter()
                 rt = runner.last_timing
@@ -313,6 +333,11 @@ class LLMEngine:
         if state.logprobs is not None:
             out.delta_logprobs = state.logprobs[start:]
             out.delta_top_logprobs = state.top_logprobs[start:]
+        if state.prompt_logprobs is not None and (finished or not state.prompt_logprobs_sent) \
+                and seq.num_computed_tokens >= seq.num_prompt_tokens and state.error is None:
+            state.prompt_logprobs_sent = True
+            out.prompt_logprobs = state.prompt_logprobs
+            out.prompt_top_logprobs = state.prompt_top_logprobs if seq.sampling_params.prompt_logprobs else None
         if finished:
             state.metrics.finished_time = time.perf_counter()
             out.metrics = state.metrics

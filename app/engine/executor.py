@@ -47,6 +47,10 @@ class StepMessageBuilder:
             table = seq.block_table
             block_ids = table if whole else table[sent[1]:]
             do_sample = end == seq.num_tokens
+            num_prompt = seq.num_prompt_tokens
+            targets = None
+            if seq.sampling_params.prompt_logprobs is not None and start + 1 < num_prompt:
+                targets = seq.token_slice(start + 1, min(end + 1, num_prompt))
             requests.append(ScheduledRequest(
                 request_id=seq.request_id,
                 token_ids=seq.token_slice(start, end),
@@ -54,6 +58,7 @@ class StepMessageBuilder:
                 block_ids=list(block_ids),
                 params=seq.sampling_params if whole else None,
                 do_sample=do_sample,
+                prompt_targets=targets,
             ))
             self._sent[seq.request_id] = (seq.num_preemptions, len(table))
             if do_sample:
@@ -88,8 +93,9 @@ class Executor(ABC):
         except BaseException:
             self._messages.failed(message)
             raise
-        if not sampling:  # nothing sampled, but requests may still have failed (non-finite K/V)
-            return [], SamplerOutput([], None, None, failed=out.failed if out is not None else {})
+        if not sampling:  # nothing sampled, but requests may have failed (non-finite K/V) or scored prompt tokens
+            return [], SamplerOutput([], None, None, failed=out.failed if out is not None else {},
+                                     prompt_logprobs=out.prompt_logprobs if out is not None else {})
         assert out is not None and len(out.token_ids) == len(sampling)
         return sampling, out
 

@@ -35,8 +35,8 @@ class KVCacheManager:
         Capped one token short of the sequence, so the last token is always computed and yields
         the logits to sample from.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
         bs = self.block_size
         hashes = seq.update_block_hashes(bs)
         max_hit_blocks = min(len(hashes), (seq.num_tokens - 1) // bs)

@@ -49,6 +49,9 @@ class ScheduledRequest:
     # its block table from block_ids. None: the rank knows the request; block_ids extend its table.
     params: SamplingParams | None
     do_sample: bool  # this step reaches the request's last token: sample its next one
+    # With prompt_logprobs: the prompt tokens that follow this step's leading tokens (the row of
+    # position p scores the token at p + 1), for the rows that have one; None otherwise.
+    prompt_targets: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -240,7 +243,8 @@ class ModelRunner:
         buf.query_start_loc.np[:num_seqs + 1] = qsl
         buf.sample_rows.np[:len(sample_rows)] = sample_rows
         graph_size = None
-        if self.graphs and t == num_seqs:  # decode-shaped: one token per sequence
+        if self.graphs and t == num_seqs and not any(r.prompt_targets for r in step.requests):
+            # decode-shaped (one token per sequence), and no row scores a prompt token
             graph_size = next((b for b in self.graphs if b >= num_seqs), None)
         padded = graph_size or num_seqs
         if padded > num_seqs:
@@ -305,6 +309,26 @@ class ModelRunner:
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(sizes), sizes,
                     time.perf_counter() - start)
 
+    def _prompt_logprobs(self, step: StepMessage, hidden: torch.Tensor) -> dict:
+        """request id -> (start position, log-prob of each target prompt token, its N best
+        (id, log-prob) or None when N is 0) for the requests scoring prompt tokens this step."""
+        out, offset = {}, 0
+        for r in step.requests:
+            targets = r.prompt_targets
+            if targets:
+                rows = hidden[offset: offset + len(targets)]
+                logp = torch.log_softmax(self.model.compute_logits(rows)[:, : self.vocab_size].float(), dim=-1)
+                tgt = torch.tensor(targets, device=logp.device)
+                chosen = logp.gather(1, tgt[:, None])[:, 0].tolist()
+                k = self.requests[r.request_id].params.prompt_logprobs
+                top = None
+                if k:
+                    vals, ids = logp.topk(k, dim=-1)
+                    top = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+                out[r.request_id] = (r.start_pos, chosen, top)
+            offset += len(r.token_ids)
+        return out
+
     # -- one step ------------------------------------------------------------------------------
     def _sync(self) -> None:
         if self.sync_timings and self.device.type == "cuda":
@@ -355,6 +379,8 @@ class ModelRunner:
                                [self.generators.get(rid) for rid in rids], extra=torch.cat((seq_bad, logits_bad)))
         else:
             out = SamplerOutput([], None, None, extra=seq_bad.tolist())
+        if inputs.graph_size is None and any(r.prompt_targets for r in step.requests):
+            out.prompt_logprobs = self._prompt_logprobs(step, hidden)
         flags = out.extra
         out.failed = dict(self._setup_failed)
         self._setup_failed.clear()

@@ -40,6 +40,8 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]] | None] | None  # per row its N best (id, logprob)
     extra: list[int] | None = None  # the caller's `extra` tensor, read with the token ids (one sync)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed (set by the runner)
+    # request id -> (start position, prompt-token log-probs, their N best or None) (set by the runner)
+    prompt_logprobs: dict = field(default_factory=dict)
 
 
 class Sampler:

@@ -29,6 +29,9 @@ class SamplingParams:
     at max_tokens, at EOS (unless ignore_eos), at any of stop_token_ids, or when the text contains
     one of stop (the stop string itself is left out of the text unless include_stop_str_in_output).
     logprobs=N returns the sampled token's log-probability and the N most likely alternatives.
+    prompt_logprobs=N returns, for every prompt token after the first, its log-probability given
+    the tokens before it and the N most likely alternatives (such a request computes its whole
+    prompt: prefix-cache hits are not used for it). max_tokens=0 computes the prompt only.
     """
 
     max_tokens: int = 16
@@ -41,6 +44,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # OpenAI clients send null for "none" and a bare string for one stop string.
@@ -51,8 +55,8 @@ class SamplingParams:
                f"stop_token_ids must be a list of token ids (got {self.stop_token_ids!r})")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
-               f"max_tokens must be an integer >= 1 (got {self.max_tokens!r})")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 0,
+               f"max_tokens must be an integer >= 0 (got {self.max_tokens!r})")
         _check(_is_number(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0 (got {self.temperature!r})")
         _check(_is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (0, -1)),
@@ -73,6 +77,8 @@ class SamplingParams:
                f"(got {self.stop_token_ids!r:.200})")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be None or an integer in [0, 20] (got {self.logprobs!r})")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+               f"prompt_logprobs must be None or an integer in [0, 20] (got {self.prompt_logprobs!r})")
 
 
 def _is_int(x: object) -> bool:

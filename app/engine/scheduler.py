@@ -194,6 +194,8 @@ class Scheduler:
             self.kv.cache_computed_blocks(seq)
             token = sampled.get(seq.request_id)
             if token is None:
+                if seq.sampling_params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
+                    finished.extend(self.finish_requests([seq.request_id], SequenceStatus.FINISHED_LENGTH))
                 continue  # a prefill chunk that did not reach the end of the prompt
             assert seq.num_computed_tokens == seq.num_tokens
             seq.append_token(token)

