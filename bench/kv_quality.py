@@ -6,7 +6,11 @@ Every variant is measured these ways:
      and greedy agreement with bf16 KV (LLM.generate); an fp32-KV row shows the metrics' noise floor;
   2. synthetic Llama-3-shaped KV at head_dim 128: relative error of decode attention outputs;
   3. bytes per token per KV head at head_dim 128 (K + V, all metadata) and capacity vs bf16;
-  4. for fp8, plain fp4 and the default: the loss with only K or only V quantized.
+  4. for fp8, plain fp4 and the default: the loss with only K or only V quantized;
+  5. a real instruct model, SmolLM2-135M-Instruct (head_dim 64), over held-out English text (the
+     documentation topics CPython ships in pydoc_data.topics), through the engine's own prompt-logprob
+     path (SamplingParams.prompt_logprobs, chunked prefill, every key read back from the cache):
+     NLL per token and teacher-forced top-1 agreement vs bf16 KV, for --real-variants.
 Markdown tables go to stdout, progress to stderr. Results: bench/RESULTS.md.
 
     python bench/kv_quality.py --json /tmp/kv_quality.json
@@ -189,6 +193,49 @@ def section_real(args) -> list[dict]:
     return results
 
 
+# -- 5. SmolLM2 over held-out text, through prompt logprobs ------------------------------------------
+REAL_MODEL = "smollm2-135m-instruct"
+REAL_VARIANTS = ["bf16", "fp8 per-token-head", "fp4 plain", "fp4 +2 out K, V g32, search",
+                 "fp4 DEFAULT: +4 out K g32, V g32, search"]
+
+
+def heldout_windows(tokenizer, num_tokens: int, window: int) -> list[list[int]]:
+    """Windows of `window` tokens of CPython's pydoc topics (sorted by name), num_tokens in all."""
+    from pydoc_data.topics import topics
+
+    ids: list[int] = []
+    for name in sorted(topics):
+        ids += tokenizer.encode(topics[name], add_special_tokens=False)
+        if len(ids) >= num_tokens:
+            break
+    ids = ids[:num_tokens]
+    return [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
+
+
+def section_smollm2(args) -> list[dict]:
+    by_name = {name: (kind, opts) for name, kind, opts in VARIANTS}
+    results, ref_top1 = [], None
+    for name in args.real_variants:
+        kind, opts = by_name[name]
+        t0 = time.perf_counter()
+        extra = {"fp4": FP4Config(**opts)} if opts is not None else {}
+        llm = LLM(model=REAL_MODEL, kv_cache_dtype=kind, max_num_batched_tokens=args.real_chunk,
+                  enable_prefix_caching=False, **extra)
+        windows = heldout_windows(llm.tokenizer, args.real_tokens, args.real_window)
+        outs = llm.generate(windows, SamplingParams(max_tokens=0, prompt_logprobs=1), log_every_s=30)
+        lps = torch.tensor([lp for o in outs for lp in o.prompt_logprobs[1:]])
+        top1 = torch.tensor([top[0][0] for o in outs for top in o.prompt_top_logprobs[1:]])
+        ref_top1 = top1 if ref_top1 is None else ref_top1  # bf16 runs first
+        results.append({"variant": name, "nll": -lps.mean().item(), "num_tokens": len(lps),
+                        "teacher_forced_top1": (top1 == ref_top1).float().mean().item(),
+                        "engine_kv_bytes_per_token": llm.engine.kv_bytes_per_token})
+        log(f"[5] {name}: nll {results[-1]['nll']:.4f}, TF top-1 {results[-1]['teacher_forced_top1']:.4f} "
+            f"({time.perf_counter() - t0:.1f} s)")
+    for r in results:
+        r["nll_delta"] = r["nll"] - results[0]["nll"]
+    return results
+
+
 # -- 2. synthetic head_dim 128 ---------------------------------------------------------------------
 SYN_KV_HEADS, SYN_GROUP, SYN_QUERIES, SYN_THETA = 2, 4, 16, 500000.0
 SYN_DESCRIPTION = (
@@ -357,7 +404,12 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default="1,2,3,4", help="comma-separated subset of 1,2,3,4")
+    ap.add_argument("--sections", default="1,2,3,4", help="comma-separated subset of 1,2,3,4,5")
+    ap.add_argument("--real-variants", default=",".join(REAL_VARIANTS),
+                    help="section 5: variants (names of the table; bf16 first)")
+    ap.add_argument("--real-tokens", type=int, default=20480, help="section 5: held-out tokens")
+    ap.add_argument("--real-window", type=int, default=1024, help="section 5: tokens per prompt")
+    ap.add_argument("--real-chunk", type=int, default=512, help="section 5: max_num_batched_tokens")
     ap.add_argument("--contexts", default="1024,4096,16384,32768", help="synthetic context lengths")
     ap.add_argument("--stories-dir", default=str(REPO.parent / "shared/models/stories260K"))
     ap.add_argument("--num-prompts", type=int, default=20, help=f"greedy prompts (at most {len(PROMPTS)})")
@@ -366,8 +418,12 @@ def main() -> None:
     args = ap.parse_args()
     sections = {int(s) for s in args.sections.split(",")}
     args.contexts = [int(c) for c in args.contexts.split(",")]
-    if not sections <= {1, 2, 3, 4}:
-        ap.error(f"--sections must be a subset of 1,2,3,4 (got {args.sections})")
+    if not sections <= {1, 2, 3, 4, 5}:
+        ap.error(f"--sections must be a subset of 1,2,3,4,5 (got {args.sections})")
+    args.real_variants = args.real_variants.split(",")
+    known = {name for name, _, _ in VARIANTS}
+    if args.real_variants[0] != "bf16" or not set(args.real_variants) <= known:
+        ap.error(f"--real-variants must start with bf16 and name variants of {sorted(known)}")
     if not 1 <= args.num_prompts <= len(PROMPTS):
         ap.error(f"--num-prompts must be in [1, {len(PROMPTS)}] (got {args.num_prompts})")
     if min(args.contexts) <= SYN_QUERIES:
@@ -416,6 +472,13 @@ def main() -> None:
                     [[r["variant"], f"{r['nll_delta_k_only']:+.4f}", f"{r['nll_delta_v_only']:+.4f}",
                       f"{r['syn4k_err_k_only']:.3f}", f"{r['syn4k_err_v_only']:.3f}", f"{r['syn4k_err_both']:.3f}"]
                      for r in res]))
+    if 5 in sections:
+        res = out["smollm2"] = section_smollm2(args)
+        print(f"\n### 5. {REAL_MODEL} (head_dim 64): prompt-logprob NLL over {res[0]['num_tokens']} held-out tokens "
+              f"(pydoc_data.topics, windows of {args.real_window}, prefill chunks of {args.real_chunk})\n")
+        print(table(["variant", *size_headers, "engine B/token", "NLL", "dNLL vs bf16", "TF top-1 agr"],
+                    [[r["variant"], *sizes[r["variant"]], r["engine_kv_bytes_per_token"], f"{r['nll']:.4f}",
+                      f"{r['nll_delta']:+.4f}", f"{r['teacher_forced_top1']:.4f}"] for r in res]))
     out["runtime_s"] = time.perf_counter() - start
     print(f"\n{out['command']}: {out['runtime_s']:.0f} s on {out['machine']}, {out['date']}")
     if args.json:
