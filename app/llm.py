@@ -38,7 +38,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         log_every_s: float = 10.0,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in prompt order.
+        """Generate for every prompt (text or token ids); outputs in prompt order (a prompt whose
+        params have n > 1 gives its n choices in a row, by index).
 
         All prompts are validated before any is queued, so an invalid one changes nothing.
         """
@@ -59,21 +60,21 @@ class LLM:
         try:
             for rid, prompt, ids, p in zip(request_ids, prompts, prompt_ids, params):
                 engine._add_validated(rid, prompt, ids, p)
-            return self._run(request_ids, log_every_s)
+            return self._run(request_ids, [p.n for p in params], log_every_s)
         except BaseException:
             engine.abort_request(request_ids)
             raise
 
-    def _run(self, request_ids: list[str], log_every_s: float) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _run(self, request_ids: list[str], choices: list[int], log_every_s: float) -> list[RequestOutput]:
+        finished: dict[tuple[str, int], RequestOutput] = {}
+        total = sum(choices)
         start = last_log = time.monotonic()
-        while len(finished) < len(request_ids):
+        while len(finished) < total:
             for out in self.engine.step():
                 if out.finished:
-                    finished[out.request_id] = out
+                    finished[out.request_id, out.index] = out
             now = time.monotonic()
             if now - last_log >= log_every_s:
                 last_log = now
-                logger.info("generate: %d/%d requests finished after %.0f s",
-                            len(finished), len(request_ids), now - start)
-        return [finished[rid] for rid in request_ids]
+                logger.info("generate: %d/%d sequences finished after %.0f s", len(finished), total, now - start)
+        return [finished[rid, i] for rid, n in zip(request_ids, choices) for i in range(n)]

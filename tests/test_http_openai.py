@@ -134,6 +134,41 @@ def test_chat_logprobs(client):
     assert all(abs(t.logprob - t.top_logprobs[0].logprob) < 1e-5 for t in content)
 
 
+def test_n_choices_are_the_requests_seeded_seed_plus_i(client):
+    """n=3 over HTTP: choice i is what the same request with n=1 and seed + i returns, streamed or
+    not; usage counts every choice's tokens and the prompt once."""
+    kwargs = dict(model=TINY, prompt="Three agents answer the same question.", max_tokens=6, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs, n=3, seed=40)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    singles = [client.completions.create(**kwargs, seed=40 + i) for i in range(3)]
+    assert [c.text for c in full.choices] == [s.choices[0].text for s in singles]
+    assert full.usage.completion_tokens == 18 and full.usage.prompt_tokens == singles[0].usage.prompt_tokens
+
+    chunks = list(client.completions.create(**kwargs, n=3, seed=40, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = {i: "" for i in range(3)}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        texts[choice.index] += choice.text
+    assert [texts[i] for i in range(3)] == [c.text for c in full.choices]
+    assert chunks[-1].usage.completion_tokens == 18
+
+    messages = [{"role": "user", "content": "Pick a number."}]
+    chat_kwargs = dict(model=TINY, messages=messages, max_tokens=5, temperature=1.0, seed=7,
+                       extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(**chat_kwargs, n=2)
+    stream = list(client.chat.completions.create(**chat_kwargs, n=2, stream=True))
+    roles = [c.choices[0].index for c in stream if c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]  # each choice's role first
+    contents = {0: "", 1: ""}
+    for c in stream:
+        contents[c.choices[0].index] += c.choices[0].delta.content or ""
+    assert [contents[0], contents[1]] == [c.message.content for c in chat.choices]
+    assert chat.choices[1].message.content == client.chat.completions.create(
+        **{**chat_kwargs, "seed": 8}).choices[0].message.content
+
+
 def test_echo_returns_the_prompt_logprobs_the_engine_computes(client, base_url):
     """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0. Over HTTP (the
     official client) and over the Python handle, equal to the engine's own prompt logprobs (the

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from app.engine.sampling_params import MAX_N
+
 # -- errors --------------------------------------------------------------------------------------
 
 
@@ -127,7 +129,8 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(None, description="Extension: sample among the k most likely tokens (-1: all).")
     seed: int | None = Field(None, description="Makes sampling reproducible for this request.")
     stop: str | list[str] | None = Field(None, description="Stop strings (left out of the output).")
-    n: int = Field(1, description="Choices per request; only 1 is supported.")
+    n: int = Field(1, ge=1, le=MAX_N, description=f"Choices per request (1 to {MAX_N}); they share the prompt's KV "
+                   "blocks, and choice i samples with seed + i when seed is set.")
     stream: bool = Field(False, description="Stream chunks as server-sent events.")
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="End-user id; also the session id when x-session-id is absent.")
@@ -135,14 +138,6 @@ class _SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, description="Not supported; must be 0.")
     frequency_penalty: float = Field(0.0, description="Not supported; must be 0.")
     logit_bias: dict[str, float] | None = Field(None, description="Not supported; must be absent.")
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"n must be 1 (got {v}): this server returns one choice per request; "
-                             "send several requests instead")
-        return v
 
     @model_validator(mode="after")
     def _unsupported(self):

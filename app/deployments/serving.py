@@ -102,28 +102,36 @@ class OpenAIServing:
 
     async def _completion_items(self, request: CompletionRequest, rid: str, outputs):
         if not request.stream:
-            final = await last_item(outputs)
-            echo_text, echo_logprobs = self._echo(request, final)
-            logprobs = self._completion_logprobs(final.token_ids, final.logprobs, final.top_logprobs,
-                                                 len(echo_text), echo_logprobs)
-            yield CompletionResponse(id=rid, model=self.model_id, usage=_usage(final), choices=[
-                CompletionChoice(text=echo_text + final.text, finish_reason=final.finish_reason, logprobs=logprobs)])
+            finals = await final_outputs(outputs, request.n)
+            choices = []
+            for final in finals:
+                echo_text, echo_logprobs = self._echo(request, final)
+                logprobs = self._completion_logprobs(final.token_ids, final.logprobs, final.top_logprobs,
+                                                     len(echo_text), echo_logprobs)
+                choices.append(CompletionChoice(index=final.index, text=echo_text + final.text,
+                                                finish_reason=final.finish_reason, logprobs=logprobs))
+            yield CompletionResponse(id=rid, model=self.model_id, usage=_usage(finals), choices=choices)
             return
-        offset = 0  # of the next token in the completion text, for logprobs.text_offset
-        first = True
+        offsets: dict[int, int] = {}  # choice -> offset of its next token in its text (logprobs.text_offset)
+        finals: dict[int, RequestOutput] = {}
         async for out in outputs:
+            i = out.index
             if out.delta_text or out.delta_token_ids or out.finished:
+                first = i not in offsets
                 echo_text, echo_logprobs = self._echo(request, out) if first else ("", None)
-                first = False
-                logprobs = self._completion_logprobs(out.delta_token_ids, out.delta_logprobs,
-                                                     out.delta_top_logprobs, offset + len(echo_text), echo_logprobs)
+                logprobs = self._completion_logprobs(out.delta_token_ids, out.delta_logprobs, out.delta_top_logprobs,
+                                                     offsets.get(i, 0) + len(echo_text), echo_logprobs)
+                offsets[i] = offsets.get(i, 0) + len(echo_text)
                 if logprobs is not None and logprobs.tokens:
-                    offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                    offsets[i] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                 yield CompletionStreamResponse(id=rid, model=self.model_id, choices=[
-                    CompletionChoice(text=echo_text + out.delta_text, logprobs=logprobs,
+                    CompletionChoice(index=i, text=echo_text + out.delta_text, logprobs=logprobs,
                                      finish_reason=out.finish_reason)])
-            if out.finished and request.include_usage:
-                yield CompletionStreamResponse(id=rid, model=self.model_id, choices=[], usage=_usage(out))
+            if out.finished:
+                finals[i] = out
+                if len(finals) == request.n and request.include_usage:
+                    yield CompletionStreamResponse(id=rid, model=self.model_id, choices=[],
+                                                   usage=_usage(list(finals.values())))
 
     async def _chat(self, request, session_id):
         request = parse_request(ChatCompletionRequest, request)
@@ -149,25 +157,31 @@ class OpenAIServing:
 
     async def _chat_items(self, request: ChatCompletionRequest, rid: str, outputs):
         if not request.stream:
-            final = await last_item(outputs)
-            logprobs = self._chat_logprobs(final.token_ids, final.logprobs, final.top_logprobs)
-            yield ChatCompletionResponse(id=rid, model=self.model_id, usage=_usage(final), choices=[
-                ChatCompletionChoice(message=ChatResponseMessage(content=final.text),
-                                     finish_reason=final.finish_reason, logprobs=logprobs)])
+            finals = await final_outputs(outputs, request.n)
+            yield ChatCompletionResponse(id=rid, model=self.model_id, usage=_usage(finals), choices=[
+                ChatCompletionChoice(index=f.index, message=ChatResponseMessage(content=f.text),
+                                     finish_reason=f.finish_reason,
+                                     logprobs=self._chat_logprobs(f.token_ids, f.logprobs, f.top_logprobs))
+                for f in finals])
             return
-        first = True
+        started: set[int] = set()
+        finals: dict[int, RequestOutput] = {}
         async for out in outputs:
-            if first:  # the role first, as OpenAI sends it
-                first = False
+            i = out.index
+            if i not in started:  # each choice's role first, as OpenAI sends it
+                started.add(i)
                 yield ChatCompletionStreamResponse(id=rid, model=self.model_id, choices=[
-                    ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))])
+                    ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
             if out.delta_text or out.delta_token_ids or out.finished:
                 logprobs = self._chat_logprobs(out.delta_token_ids, out.delta_logprobs, out.delta_top_logprobs)
                 yield ChatCompletionStreamResponse(id=rid, model=self.model_id, choices=[
-                    ChatCompletionStreamChoice(delta=DeltaMessage(content=out.delta_text), logprobs=logprobs,
+                    ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=out.delta_text), logprobs=logprobs,
                                                finish_reason=out.finish_reason)])
-            if out.finished and request.include_usage:
-                yield ChatCompletionStreamResponse(id=rid, model=self.model_id, choices=[], usage=_usage(out))
+            if out.finished:
+                finals[i] = out
+                if len(finals) == request.n and request.include_usage:
+                    yield ChatCompletionStreamResponse(id=rid, model=self.model_id, choices=[],
+                                                       usage=_usage(list(finals.values())))
 
     async def _respond(self, endpoint: str, request, prompt_ids: list[int], params: SamplingParams,
                        session_id: str | None, fields: dict[str, str], prompt_text: str | None):
@@ -191,7 +205,8 @@ class OpenAIServing:
         m = self.metrics
         t0 = time.perf_counter()
         t_first = None
-        num_output_tokens = 0
+        num_tokens = [0] * params.n  # per choice
+        num_finished = 0
         finished = False
         stream = None
         try:
@@ -202,13 +217,14 @@ class OpenAIServing:
                     m.time_to_first_token.labels(endpoint).observe(t_first - t0)
                     m.prompt_tokens.inc(len(prompt_ids))
                     m.cached_tokens.inc(out.num_cached_tokens)
-                num_output_tokens += len(out.delta_token_ids)
+                num_tokens[out.index] += len(out.delta_token_ids)
                 m.generation_tokens.inc(len(out.delta_token_ids))
-                if out.finished:
+                num_finished += out.finished
+                if num_finished == params.n:
                     finished = True
-                    if num_output_tokens > 1:
+                    if max(num_tokens) > 1:  # the choices decode side by side: time per token of the longest
                         m.time_per_output_token.labels(endpoint).observe(
-                            (time.perf_counter() - t_first) / (num_output_tokens - 1))
+                            (time.perf_counter() - t_first) / (max(num_tokens) - 1))
                 yield out
         except Exception as e:
             raise to_openai_error(e, fields, self.config.retry_after_s) from e
@@ -321,6 +337,7 @@ def sampling_params(request, max_tokens: int, logprobs: int | None, fields: dict
     try:
         return SamplingParams(
             prompt_logprobs=prompt_logprobs,
+            n=request.n,
             max_tokens=max_tokens,
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
@@ -335,11 +352,23 @@ def sampling_params(request, max_tokens: int, logprobs: int | None, fields: dict
 
 
 async def last_item(outputs: AsyncIterator):
-    """The last item of a stream (a final RequestOutput carries the complete text, ids and logprobs)."""
+    """The last item of a stream (None when it is empty)."""
     last = None
     async for item in outputs:
         last = item
     return last
+
+
+async def final_outputs(outputs: AsyncIterator[RequestOutput], n: int) -> list[RequestOutput]:
+    """The final output of each of a request's n choices, by index (a final RequestOutput carries
+    the complete text, ids and logprobs)."""
+    finals = {}
+    async for out in outputs:
+        if out.finished:
+            finals[out.index] = out
+    if len(finals) != n:
+        raise RuntimeError(f"the replica's stream ended with {len(finals)} of {n} choices finished")
+    return [finals[i] for i in range(n)]
 
 
 def _cancel(stream) -> None:
@@ -351,5 +380,9 @@ def _cancel(stream) -> None:
         pass
 
 
-def _usage(out: RequestOutput) -> UsageInfo:
-    return UsageInfo.of(len(out.prompt_token_ids), len(out.token_ids or ()), out.num_cached_tokens)
+def _usage(finals: list[RequestOutput]) -> UsageInfo:
+    """Usage of a request from its choices' final outputs: the prompt once, every choice's
+    completion tokens; cached tokens are the first choice's (what the prompt found in the cache)."""
+    first = min(finals, key=lambda f: f.index)
+    return UsageInfo.of(len(first.prompt_token_ids), sum(len(f.token_ids or ()) for f in finals),
+                        first.num_cached_tokens)

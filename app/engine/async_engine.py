@@ -104,7 +104,8 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (deltas; the last one has finished=True).
+        """Stream a request's outputs (deltas; the last one has finished=True). With params.n > 1
+        the choices' outputs interleave (RequestOutput.index), each choice finishing on its own.
 
         Raises InvalidRequestError (nothing queued) for a bad request, EngineOverloadedError when
         the queue is full, EngineDeadError when the engine loop has failed, RequestFailedError when
@@ -133,23 +134,29 @@ class AsyncLLMEngine:
             self._deadlines[request_id] = deadline
         self._adds.append(_Add(request_id, prompt, prompt_ids, params))
         self._wake.set()
-        finished = False
+        num_finished, held = 0, None  # choices finished; an output read ahead of its turn
         try:
-            while not finished:
-                out = await self._next(queue, request_id, deadline)
+            while num_finished < params.n:
+                if held is not None:
+                    out, held = held, None
+                else:
+                    out = await self._next(queue, request_id, deadline)
                 if isinstance(out, BaseException):
                     raise out
                 while not queue.empty() and not out.finished:  # a slow reader gets merged deltas
                     nxt = queue.get_nowait()
                     if isinstance(nxt, BaseException):
                         raise nxt
+                    if nxt.index != out.index:  # another choice's: yield it next
+                        held = nxt
+                        break
                     out = _merge(out, nxt)
-                finished = out.finished
+                num_finished += out.finished
                 yield out
         finally:
             self._streams.pop(request_id, None)
             self._deadlines.pop(request_id, None)
-            if not finished:
+            if num_finished < params.n:
                 self._aborts.append(request_id)
                 self._wake.set()
 

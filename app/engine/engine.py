@@ -59,6 +59,7 @@ class RequestOutput:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     error: str | None = None  # why the request failed (finish_reason "error"); others are unaffected
     metrics: RequestMetrics | None = None  # on the final output
+    index: int = 0  # which choice of an n > 1 request; each choice finishes on its own
 
 
 @dataclass(slots=True)
@@ -87,6 +88,8 @@ class _RequestState:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_logprobs_sent: bool = False
     error: str | None = None
+    request_id: str = ""  # the caller's id (the sequence's own id differs for choices of n > 1)
+    index: int = 0
 
 
 def resolve_tokenizer(config: EngineConfig, vocab_size: int) -> Tokenizer:
@@ -142,7 +145,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, eos
         )
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, _RequestState] = {}  # by sequence id
+        self._choices: dict[str, list[str]] = {}  # request id of an n > 1 request -> its sequence ids
         # step(), add_request() and abort_request() may be called from different threads (an
         # async server steps in a worker thread); an abort waits for the step in flight.
         self._lock = threading.RLock()
@@ -200,8 +204,33 @@ class LLMEngine:
     def _add_validated(
         self, request_id: str, prompt: str | Seq[int], prompt_ids: list[int], params: SamplingParams
     ) -> None:
-        """add_request for a prompt that validate() accepted."""
-        seq = Sequence(request_id, prompt_ids, params)
+        """add_request for a prompt that validate() accepted. With params.n > 1, one sequence per
+        choice ("<request_id>#<i>"), their outputs under request_id with their index."""
+        if params.n == 1:
+            self._add_sequence(request_id, 0, request_id, prompt, prompt_ids, params)
+            return
+        with self._lock:
+            if request_id in self._requests or request_id in self._choices:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            ids, first = [], None
+            try:
+                for i in range(params.n):
+                    ids.append(f"{request_id}#{i}")
+                    seq = self._add_sequence(ids[-1], i, request_id, prompt, prompt_ids, params.choice(i))
+                    if first is None:
+                        first = seq
+                    elif params.prompt_logprobs is None:  # those compute the whole prompt anyway
+                        seq.prefix_parent = first
+            except BaseException:
+                self.scheduler.finish_requests(ids, SequenceStatus.FINISHED_ABORTED)
+                for sid in ids:
+                    self._requests.pop(sid, None)
+                raise
+            self._choices[request_id] = ids
+
+    def _add_sequence(self, seq_id: str, index: int, request_id: str, prompt: str | Seq[int],
+                      prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        seq = Sequence(seq_id, prompt_ids, params)
         detok = IncrementalDetokenizer(
             self.tokenizer,
             stop=params.stop,
@@ -209,15 +238,18 @@ class LLMEngine:
             prompt_token_ids=prompt_ids,
         )
         state = _RequestState(seq, prompt if isinstance(prompt, str) else None, detok,
-                              RequestMetrics(time.perf_counter()))
+                              RequestMetrics(time.perf_counter()), request_id=request_id, index=index)
         if params.logprobs is not None:
             state.logprobs, state.top_logprobs = [], []
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(prompt_ids)
             state.prompt_top_logprobs = [None] * len(prompt_ids)
         with self._lock:
+            if seq_id in self._choices:
+                raise InvalidRequestError(f"request id {seq_id!r} is already in use")
             self.scheduler.add_request(seq)  # raises (changing nothing) on a duplicate id
-            self._requests[request_id] = state
+            self._requests[seq_id] = state
+        return seq
 
     def abort_request(self, request_ids: str | Seq[str]) -> list[RequestOutput]:
         """Stop requests and free their blocks (after the step in flight, if any); unknown or
@@ -225,7 +257,8 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         with self._lock:
-            finished = self.scheduler.finish_requests(request_ids, SequenceStatus.FINISHED_ABORTED)
+            seq_ids = [sid for rid in request_ids for sid in self._choices.get(rid, (rid,))]
+            finished = self.scheduler.finish_requests(seq_ids, SequenceStatus.FINISHED_ABORTED)
             return [self._finish(s.request_id) for s in finished]
 
     def has_unfinished_requests(self) -> bool:
@@ -309,18 +342,23 @@ class LLMEngine:
         self.scheduler.finish_requests(list(failed), SequenceStatus.FINISHED_ERROR)
         return [self._finish(rid) for rid in failed]
 
-    def _finish(self, request_id: str) -> RequestOutput:
-        self.executor.release(request_id)
-        return self._make_output(self._requests.pop(request_id))
+    def _finish(self, seq_id: str) -> RequestOutput:
+        self.executor.release(seq_id)
+        state = self._requests.pop(seq_id)
+        choices = self._choices.get(state.request_id)
+        if choices is not None and not any(sid in self._requests for sid in choices):
+            del self._choices[state.request_id]
+        return self._make_output(state)
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
         seq = state.seq
         finished = seq.is_finished
         start, state.num_sent_tokens = state.num_sent_tokens, seq.num_output_tokens
         out = RequestOutput(
-            request_id=seq.request_id,
+            request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=seq.prompt_token_ids,
+            index=state.index,
             text=state.detokenizer.output_text,
             delta_text=state.detokenizer.get_delta(finished),
             delta_token_ids=seq.output_token_ids[start:],

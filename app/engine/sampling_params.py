@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+MAX_N = 128  # choices per request (OpenAI's limit)
 
 
 class SamplingParamsError(InvalidRequestError):
@@ -45,6 +47,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         # OpenAI clients send null for "none" and a bare string for one stop string.
@@ -77,8 +80,17 @@ class SamplingParams:
                f"(got {self.stop_token_ids!r:.200})")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be None or an integer in [0, 20] (got {self.logprobs!r})")
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}] (got {self.n!r})")
+        _check(self.seed is None or self.seed + self.n - 1 <= SEED_MAX,
+               f"seed + n - 1 must be at most {SEED_MAX} (choice i samples with seed + i; got seed {self.seed}, "
+               f"n {self.n})")
         _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                f"prompt_logprobs must be None or an integer in [0, 20] (got {self.prompt_logprobs!r})")
+
+    def choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of an n > 1 request: one choice, its own seed."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
 
 
 def _is_int(x: object) -> bool:

@@ -156,13 +156,17 @@ class Scheduler:
             break  # seq preempted itself: nothing after it is left to schedule
 
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
+            j = 0  # waiting requests are admitted in order; a choice held for its sibling is stepped over
+            while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[j]
+                if self._held(seq):
+                    j += 1
+                    continue
                 hits, num_hit_tokens = self.kv.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - num_hit_tokens, budget)
                 if self.kv.allocate_slots(seq, num_new, hits) is None:
                     break
-                self.waiting.popleft()
+                del self.waiting[j]
                 if seq.num_cached_tokens < 0:
                     seq.num_cached_tokens = num_hit_tokens
                     self.num_prefix_hit_tokens_total += num_hit_tokens
@@ -173,6 +177,17 @@ class Scheduler:
                 out.scheduled.append((seq, num_new))
                 budget -= num_new
         return out
+
+    def _held(self, seq: Sequence) -> bool:
+        """Whether seq waits for its prefix parent (another choice of its request) to compute the
+        prompt, whose full blocks it will then find in the prefix cache."""
+        parent = seq.prefix_parent
+        if parent is None:
+            return False
+        if parent.is_finished or parent.num_computed_tokens >= parent.num_prompt_tokens:
+            seq.prefix_parent = None  # free for good, whatever happens to the parent later
+            return False
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
