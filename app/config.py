@@ -145,6 +145,11 @@ class EngineConfig(BaseModel):
         description="Shards of the model: attention heads, KV heads and MLP columns split across this many "
         "workers (one per GPU of a node; NCCL on GPUs, gloo on CPU). 1 runs the model in the engine's process.",
     )
+    execute_timeout_s: float | None = Field(
+        300.0, gt=0, description="tensor_parallel_size > 1: a step that some worker has not finished in this time "
+        "(a hung rank, a stuck collective) stops every worker and fails the engine (EngineDeadError: each open "
+        "request gets an error), instead of waiting for the collective's own 10-minute timeout. None: no limit.",
+    )
     distributed_backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="torch.distributed backend between tensor-parallel workers. 'auto': nccl on "
         "CUDA, gloo on CPU.",

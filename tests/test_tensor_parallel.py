@@ -7,6 +7,7 @@ per token), workers follow the caller's placement group, and a dead worker is an
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -118,6 +119,29 @@ def test_a_dead_worker_is_an_engine_error_not_a_hang():
         with pytest.raises(EngineDeadError, match="workers are stopped"):
             engine.step()
     finally:
+        engine.shutdown()
+
+
+def test_a_hung_worker_fails_the_engine_within_execute_timeout_s():
+    """Rank 1 frozen (SIGSTOP) mid-run: rank 0 waits in its all-reduce and neither answers; the
+    step raises EngineDeadError after execute_timeout_s, not after the collective's 10 minutes."""
+    llm = LLM(model="tiny-llama", tensor_parallel_size=2, execute_timeout_s=3)
+    engine = llm.engine
+    pid = engine.worker_info()[1]["pid"]
+    try:
+        engine.add_request("r", "hello", SamplingParams(max_tokens=50))
+        engine.step()
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"did not answer execute\(\) within 3 s.*execute_timeout_s"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - t0 < 15
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
         engine.shutdown()
 
 

@@ -199,6 +199,7 @@ class RayExecutor(Executor):
 
     def __init__(self, config: EngineConfig, vocab_size: int, max_model_len: int, placement_group=None) -> None:
         super().__init__()
+        self.execute_timeout_s = config.execute_timeout_s
         tp = config.tensor_parallel_size
         on_cuda = config.device.startswith("cuda")
         self.group = TPWorkerGroup(tp, gpu=on_cuda, placement_group=placement_group)
@@ -224,7 +225,8 @@ class RayExecutor(Executor):
         import ray
 
         ref = ray.put(message)  # serialized once for all ranks
-        return self.group.call("execute", ref)[0]
+        return self.group.call("execute", ref, timeout_s=self.execute_timeout_s,
+                               hint="(execute_timeout_s: a rank hung or a collective is stuck)")[0]
 
     def worker_info(self) -> list[dict]:
         return self.group.worker_info()
