@@ -136,14 +136,20 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(
         False, description="Never use CUDA graphs. Default: on CUDA, decode-only steps replay a CUDA graph "
         "captured at start-up for each batch-size bucket (1, 2, 4, 8, 16, 32, ... max_num_seqs); prefill and "
-        "mixed steps run eager. Graphs are also off, on their own, with tensor_parallel_size > 1 and for KV "
-        "caches the kernels cannot serve (the engine logs why).",
+        "mixed steps run eager. With tensor_parallel_size > 1 every rank captures its "
+        "own graphs, NCCL all-reduces inside; graphs are off, on their own, over gloo and for KV caches the "
+        "kernels cannot serve (the engine logs why).",
     )
     seed: int = Field(0, description="Seed of dummy weights and of unseeded sampling.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64,
         description="Shards of the model: attention heads, KV heads and MLP columns split across this many "
         "workers (one per GPU of a node; NCCL on GPUs, gloo on CPU). 1 runs the model in the engine's process.",
+    )
+    distributed_executor_backend: Literal["ray", "mp"] = Field(
+        "ray", description="tensor_parallel_size > 1: 'ray' runs one Ray actor per rank on the bundles of the "
+        "replica's placement group; 'mp' runs one worker process per rank, started by the engine's process on "
+        "its own node (cuda:0..N-1 of the GPUs it sees), no Ray needed (vLLM's names).",
     )
     execute_timeout_s: float | None = Field(
         300.0, gt=0, description="tensor_parallel_size > 1: a step that some worker has not finished in this time "

@@ -169,6 +169,17 @@ def test_70b_replica_takes_one_node_of_eight_gpus():
     assert sum(b["CPU"] for b in bundles) <= 192 - 1  # fits a p5.48xlarge beside an ingress replica
 
 
+def test_mp_executor_replica_takes_the_node_in_one_bundle():
+    builder = _builder()
+    config = ServerConfig.model_validate({"engine": {"device": "cuda", "tensor_parallel_size": 8,
+                                                     "distributed_executor_backend": "mp"}})
+    options = builder.placement_options(config)
+    (bundle,) = options["placement_group_bundles"]
+    # The workers are the replica's child processes: the replica reserves all 8 GPUs itself.
+    assert bundle["GPU"] == 8 and options["ray_actor_options"]["num_gpus"] == 8
+    assert options["ray_actor_options"]["num_cpus"] == bundle["CPU"] == 1 + 8 * 1.0
+
+
 def test_default_config_fits_a_cpu_machine():
     builder = _builder()
     config = ServerConfig.model_validate(app_of(load(DEFAULT_CONFIG))["args"])

@@ -1,4 +1,4 @@
-"""TP=2 on CPU (gloo, two Ray actors) against TP=1: same greedy tokens, same seeded samples,
+"""TP=2 on CPU (gloo; two Ray actors, or two worker processes of the mp executor) against TP=1: same greedy tokens, same seeded samples,
 logprobs within float32 noise, on the dummy model and on stories260K, through chunked prefill,
 prefix-cache hits and preemption. Plus: the KV heads are split (each rank holds half the bytes
 per token), workers follow the caller's placement group, and a dead worker is an engine error.
@@ -17,7 +17,7 @@ from app import LLM, SamplingParams
 from app.engine.errors import EngineDeadError
 from app.engine.parallel import PLACEMENT_STRATEGY, placement_bundles
 
-from tp_helpers import run_in_placement_group
+from tp_helpers import ReplicaStandIn, run_in_placement_group
 
 STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked to play with his "
          "ball in the park every day. One day, Tim saw a little cat under a tree.")
@@ -66,14 +66,15 @@ def assert_same_outputs(tp1, tp2, atol):
             assert [v for _, v in top_a] == pytest.approx([v for _, v in top_b], abs=atol)
 
 
-@pytest.mark.parametrize("model, kv", [("tiny", "bf16"), ("tiny", "fp4"), ("stories", "fp32"), ("stories", "bf16"),
-                                       ("stories", "fp4")])
-def test_tp2_matches_tp1(stories_paths, model, kv):
+@pytest.mark.parametrize("backend, model, kv", [
+    ("ray", "tiny", "bf16"), ("ray", "tiny", "fp4"), ("ray", "stories", "fp32"), ("ray", "stories", "bf16"),
+    ("ray", "stories", "fp4"), ("mp", "stories", "fp32"), ("mp", "stories", "fp4")])
+def test_tp2_matches_tp1(stories_paths, backend, model, kv):
     config = dict(model_kwargs(model, stories_paths), kv_cache_dtype=kv, block_size=4, max_num_batched_tokens=16,
                   kv_cache_memory="1MiB")
     tp1 = LLM(**config)
     expected = run_workload(tp1)
-    tp2 = LLM(tensor_parallel_size=2, **config)
+    tp2 = LLM(tensor_parallel_size=2, distributed_executor_backend=backend, **config)
     try:
         got = run_workload(tp2)
         info = tp2.engine.worker_info()
@@ -83,19 +84,22 @@ def test_tp2_matches_tp1(stories_paths, model, kv):
         tp2.engine.shutdown()
     assert_same_outputs(expected, got, LOGPROB_ATOL[kv])
     assert got[3].num_cached_tokens >= len(tp1.tokenizer.encode(STORY)) - 4  # the second turn hit the cache
-    assert [i["rank"] for i in info] == [0, 1] and len({i["pid"] for i in info}) == 2
-    assert {i["device"] for i in info} == {"cpu"} and all(i["gpu_ids"] == [] for i in info)
-    assert len({i["node_id"] for i in info}) == 1 and [i["bundle_index"] for i in info] == [0, 1]
+    assert [i["rank"] for i in info] == [0, 1] and len({i["pid"] for i in info} | {os.getpid()}) == 3
+    assert {i["device"] for i in info} == {"cpu"}
+    if backend == "ray":
+        assert all(i["gpu_ids"] == [] for i in info)
+        assert len({i["node_id"] for i in info}) == 1 and [i["bundle_index"] for i in info] == [0, 1]
 
 
-def test_tp2_preemption_matches_tp1(stories_paths):
+@pytest.mark.parametrize("backend", ["ray", "mp"])
+def test_tp2_preemption_matches_tp1(stories_paths, backend):
     config = dict(model_kwargs("stories", stories_paths), block_size=4, max_num_batched_tokens=32, num_kv_blocks=40)
     prompts = [STORY[: 30 + 20 * i] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     tp1 = LLM(**config)
     expected = [o.token_ids for o in tp1.generate(prompts, params)]
     assert tp1.engine.scheduler.num_preemptions_total > 0
-    tp2 = LLM(tensor_parallel_size=2, **config)
+    tp2 = LLM(tensor_parallel_size=2, distributed_executor_backend=backend, **config)
     try:
         got = [o.token_ids for o in tp2.generate(prompts, params)]
         assert tp2.engine.scheduler.num_preemptions_total == tp1.engine.scheduler.num_preemptions_total
@@ -104,15 +108,19 @@ def test_tp2_preemption_matches_tp1(stories_paths):
     assert got == expected
 
 
-def test_a_dead_worker_is_an_engine_error_not_a_hang():
-    llm = LLM(model="tiny-llama", tensor_parallel_size=2)
+@pytest.mark.parametrize("backend", ["ray", "mp"])
+def test_a_dead_worker_is_an_engine_error_not_a_hang(backend):
+    llm = LLM(model="tiny-llama", tensor_parallel_size=2, distributed_executor_backend=backend)
     engine = llm.engine
     try:
         engine.add_request("r", "hello", SamplingParams(max_tokens=50))
         engine.step()
-        ray.kill(engine.executor.group.workers[1])
+        if backend == "ray":
+            ray.kill(engine.executor.group.workers[1])
+        else:
+            os.kill(engine.worker_info()[1]["pid"], signal.SIGKILL)
         t0 = time.monotonic()
-        with pytest.raises(EngineDeadError, match="rank 1 failed in execute"):
+        with pytest.raises(EngineDeadError, match="rank 1 (failed|died) in execute"):
             while engine.has_unfinished_requests():
                 engine.step()
         assert time.monotonic() - t0 < 30
@@ -120,12 +128,19 @@ def test_a_dead_worker_is_an_engine_error_not_a_hang():
             engine.step()
     finally:
         engine.shutdown()
+    # The next engine starts cleanly.
+    again = LLM(model="tiny-llama", tensor_parallel_size=2, distributed_executor_backend=backend)
+    try:
+        assert len(again.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+    finally:
+        again.engine.shutdown()
 
 
-def test_a_hung_worker_fails_the_engine_within_execute_timeout_s():
+@pytest.mark.parametrize("backend", ["ray", "mp"])
+def test_a_hung_worker_fails_the_engine_within_execute_timeout_s(backend):
     """Rank 1 frozen (SIGSTOP) mid-run: rank 0 waits in its all-reduce and neither answers; the
     step raises EngineDeadError after execute_timeout_s, not after the collective's 10 minutes."""
-    llm = LLM(model="tiny-llama", tensor_parallel_size=2, execute_timeout_s=3)
+    llm = LLM(model="tiny-llama", tensor_parallel_size=2, distributed_executor_backend=backend, execute_timeout_s=3)
     engine = llm.engine
     pid = engine.worker_info()[1]["pid"]
     try:
@@ -157,3 +172,17 @@ def test_workers_run_on_the_callers_placement_group():
     assert [i["placement_group_id"] for i in info] == [pg.id.hex()] * 2
     assert [i["bundle_index"] for i in info] == [0, 1]
     assert tokens == LLM(model="tiny-llama").generate(["hello"], SamplingParams(temperature=0, max_tokens=8))[0].token_ids
+
+
+def test_mp_workers_start_inside_a_ray_actor():
+    """As in a Ray Serve replica: the engine in a Ray actor spawns its worker processes (the
+    actor's main module must not run again in them) and gives TP=1's tokens."""
+    expected = LLM(model="tiny-llama").generate("hello", SamplingParams(temperature=0, max_tokens=6))[0].token_ids
+    replica = ReplicaStandIn.remote(model="tiny-llama", tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        assert ray.get(replica.generate.remote("hello", 6), timeout=120) == expected
+        info = ray.get(replica.worker_info.remote())
+        assert [i["rank"] for i in info] == [0, 1]
+    finally:
+        ray.get(replica.shutdown.remote())
+        ray.kill(replica)

@@ -35,13 +35,23 @@ def placement_options(config: ServerConfig) -> dict:
     tensor_parallel_size n > 1: n bundles {"GPU": 1, "CPU": cpus_per_worker} (no GPU key on CPU),
     bundle 0 enlarged by the replica's own CPUs since Ray Serve starts the replica in bundle 0;
     the engine starts its n workers on bundles 0..n-1. n = 1: one bundle with the replica, which
-    runs the engine in-process (and takes the GPU on GPU devices).
+    runs the engine in-process (and takes the GPU on GPU devices). With distributed_executor_backend
+    "mp" the workers are the replica's own child processes, so the replica takes everything: one
+    bundle {"GPU": n, "CPU": replica_cpus + n x cpus_per_worker}, all of it reserved by the replica
+    (Ray then makes exactly those n GPUs visible to it).
     """
     gpu = uses_gpu(config)
     p = config.placement
     cpus_per_worker = p.cpus_per_worker if p.cpus_per_worker is not None else (1.0 if gpu else 0.1)
     replica_cpus = p.replica_cpus if p.replica_cpus is not None else (1.0 if gpu else 0.2)
     tp = config.engine.tensor_parallel_size
+    if tp > 1 and config.engine.distributed_executor_backend == "mp":
+        cpus = replica_cpus + tp * cpus_per_worker
+        return {
+            "ray_actor_options": {"num_cpus": cpus, "num_gpus": float(tp) if gpu else 0.0},
+            "placement_group_bundles": [{"CPU": cpus, **({"GPU": float(tp)} if gpu else {})}],
+            "placement_group_strategy": p.strategy,
+        }
     bundles = placement_bundles(tp, cpus_per_worker if tp > 1 else 0.0, gpu, driver_cpus=replica_cpus)
     # tp 1: the engine runs in the replica, which takes the GPU; tp > 1: the workers take them.
     actor = {"num_cpus": replica_cpus, "num_gpus": 1.0 if gpu and tp == 1 else 0.0}

@@ -278,9 +278,9 @@ class LLMEngine:
             if sched.is_empty:
                 return []
             self.peak_num_running = max(self.peak_num_running, self.scheduler.num_running)
-            runner = getattr(self.executor, "runner", None)
-            timing = self.step_timings is not None and runner is not None
-            if timing:
+            runner = getattr(self.executor, "runner", None)  # None with tensor parallelism (no synced split)
+            timing = self.step_timings is not None
+            if timing and runner is not None:
                 runner.sync_timings = self.sync_step_timings
             t1 = time.perf_counter()
             sampled_seqs, out = self.executor.execute(sched)
@@ -320,7 +320,7 @@ class LLMEngine:
             outputs += [self._finish(rid) for rid in finished if rid not in sampled]  # max_tokens 0
             if timing:
                 t3 = time.perf_counter()
-                rt = runner.last_timing
+                rt = self.executor.last_timing
                 self.step_timings.append({
                     "start": t0, "schedule_s": t1 - t0, "prepare_s": rt.get("prepare_s", 0.0),
                     "forward_s": rt.get("forward_s", 0.0), "sample_s": rt.get("sample_s", 0.0),
@@ -438,9 +438,14 @@ def _as_list(x) -> list:
 
 
 def create_executor(config: EngineConfig, vocab_size: int, max_model_len: int) -> Executor:
-    """LocalExecutor for tensor_parallel_size 1, else a RayExecutor (imports Ray only then)."""
+    """LocalExecutor for tensor_parallel_size 1, else a MultiprocExecutor or a RayExecutor as
+    distributed_executor_backend says (Ray is imported only for the latter)."""
     if config.tensor_parallel_size == 1:
         return LocalExecutor(config, vocab_size, max_model_len)
+    if config.distributed_executor_backend == "mp":
+        from app.engine.mp_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config, vocab_size, max_model_len)
     from app.engine.parallel import RayExecutor  # imports Ray
 
     return RayExecutor(config, vocab_size, max_model_len)

@@ -103,6 +103,11 @@ class Executor(ABC):
         """Forget a finished (or aborted) request on every rank."""
         self._messages.release(request_id)
 
+    @property
+    def last_timing(self) -> dict:
+        """Rank 0's split of the latest step (prepare_s, forward_s, sample_s, graph), where known."""
+        return {}
+
     @abstractmethod
     def _execute(self, message: StepMessage) -> SamplerOutput | None:
         """Run the message on every rank; rank 0's sampler output."""
@@ -126,6 +131,10 @@ class LocalExecutor(Executor):
 
     def _execute(self, message: StepMessage) -> SamplerOutput | None:
         return self.runner.execute(message)
+
+    @property
+    def last_timing(self) -> dict:
+        return self.runner.last_timing
 
     def worker_info(self) -> list[dict]:
         return [{"rank": 0, "pid": os.getpid(), "device": str(self.runner.device),

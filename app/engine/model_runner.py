@@ -176,7 +176,10 @@ class ModelRunner:
         if self.config.enforce_eager:
             return "enforce_eager is set"
         if self.tp_size > 1:
-            return "tensor_parallel_size > 1 (graphs are captured with one rank only)"
+            import torch.distributed as dist
+
+            if dist.get_backend() != "nccl":  # every rank captures its graphs, all-reduces inside them
+                return f"tensor_parallel_size > 1 over {dist.get_backend()} (graphs capture NCCL collectives only)"
         if not self.kv_cache.kernels_enabled():
             return f"the KV cache runs its torch path ({self.kv_cache.kernel_problem()}), which syncs"
         return None

@@ -44,26 +44,14 @@ class TPWorker:
 
     def rendezvous_address(self) -> str:
         """tcp://<this node's IP>:<a free port> for torch.distributed's rendezvous (rank 0)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{self._info['node_ip']}:{port}"
+        return free_port_address(self._info["node_ip"])
 
     def load(self, config, vocab_size: int, max_model_len: int, init_method: str, backend: str) -> int:
         """Join the process group, load this rank's shard; the KV blocks this rank can fit."""
-        import torch
-        import torch.distributed as dist
-
-        from app.engine.model_runner import ModelRunner
-
-        device = torch.device(config.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", 0)  # the one GPU Ray made visible to this worker
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.tp_size,
-                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        self.runner = ModelRunner(config, vocab_size, self.rank, self.tp_size, device, max_model_len)
-        self._info["device"] = str(device)
+        # the one GPU Ray made visible to this worker, whatever index config.device names
+        self.runner = start_rank(config, vocab_size, max_model_len, self.rank, self.tp_size, init_method, backend,
+                                 cuda_index=0)
+        self._info["device"] = str(self.runner.device)
         return self.runner.num_kv_blocks_fit(max_model_len)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -71,3 +59,30 @@ class TPWorker:
 
     def execute(self, message):
         return self.runner.execute(message)
+
+
+def start_rank(config, vocab_size: int, max_model_len: int, rank: int, tp_size: int, init_method: str,
+               backend: str, cuda_index: int):
+    """In a tensor-parallel worker process: join the process group and load this rank's shard.
+    Computes on cuda:<cuda_index> of this process's view when config.device is CUDA. Returns the
+    rank's ModelRunner (KV cache not yet allocated). Shared by the Ray and multiprocess executors."""
+    import torch
+    import torch.distributed as dist
+
+    from app.engine.model_runner import ModelRunner
+
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", cuda_index)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp_size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return ModelRunner(config, vocab_size, rank, tp_size, device, max_model_len)
+
+
+def free_port_address(host: str) -> str:
+    """tcp://<host>:<a free port> for torch.distributed's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"tcp://{host}:{port}"
