@@ -146,10 +146,11 @@ class EngineConfig(BaseModel):
         description="Shards of the model: attention heads, KV heads and MLP columns split across this many "
         "workers (one per GPU of a node; NCCL on GPUs, gloo on CPU). 1 runs the model in the engine's process.",
     )
-    distributed_executor_backend: Literal["ray", "mp"] = Field(
-        "ray", description="tensor_parallel_size > 1: 'ray' runs one Ray actor per rank on the bundles of the "
-        "replica's placement group; 'mp' runs one worker process per rank, started by the engine's process on "
-        "its own node (cuda:0..N-1 of the GPUs it sees), no Ray needed (vLLM's names).",
+    distributed_executor_backend: Literal["mp", "ray"] = Field(
+        "mp", description="tensor_parallel_size > 1: 'mp' runs one worker process per rank, started by the "
+        "engine's process on its own node (cuda:0..N-1 of the GPUs it sees; in Ray Serve the replica reserves "
+        "the node's GPUs in one bundle), no Ray needed; 'ray' runs one Ray actor per rank on the bundles of the "
+        "replica's placement group (vLLM's names). Default mp: its steps measured faster (bench/RESULTS.md).",
     )
     execute_timeout_s: float | None = Field(
         300.0, gt=0, description="tensor_parallel_size > 1: a step that some worker has not finished in this time "

@@ -75,7 +75,7 @@ class Counts:
     error_samples: dict = field(default_factory=dict)  # clean error kind -> its first message
 
     def summary(self) -> dict:
-        return {"sent": self.sent, "completed": self.completed, "clean_errors": dict(sorted(self.clean_errors.items())),
+        return {"sent": self.sent, "completed": self.completed, "clean_errors": dict(sorted(self.clean_errors.items(), key=lambda kv: str(kv[0]))),
                 "server_errors": len(self.server_errors), "hung": self.hung, "broken": len(self.broken),
                 "disconnected": self.disconnected, "error_samples": self.error_samples}
 

@@ -2,13 +2,15 @@
 
     python3 bench/tp_gpu.py --stories .whl/stories260K --json $OUT/tp.json     # on 2 GPUs
     python3 bench/tp_gpu.py --sections kill --device cpu --model tiny-llama       # CPU smoke (gloo)
+    RAY_AUTH_MODE=disabled python bench/tp_gpu.py --sections throughput --device cpu --model tiny-llama \
+        --shape 16x64 --output-len 64 --kv-dtypes bf16 --backends mp,ray            # mp vs ray executor, CPU
 
 Sections (--sections, in this order):
 1. equality: stories260K widened exactly into head_dim-128 shapes (app/engine/widen.py, written as a
    safetensors directory so that each rank loads its own shard), greedy tokens of TP=1 and TP=N, for
    bf16 and fp4 KV.
 2. throughput: --model (dummy weights), --shape REQUESTSxPROMPT_LEN, --output-len tokens, TP=1 and
-   TP=N one after the other in this run, per kv dtype: steady decode tok/s (decode-only steps'
+   TP=N (with each of --backends) one after the other in this run, per kv dtype: steady decode tok/s (decode-only steps'
    tokens / their wall time; each step ends with reading its tokens) and the ratio TP=N / TP=1.
 3. allreduce: all-reduce of a [rows, hidden] bf16 tensor between N processes for rows 1, 8 and
    the shape's requests, by NCCL and by PyTorch symmetric memory's one-shot and two-shot kernels:
@@ -114,28 +116,32 @@ def run_throughput(args, R: dict) -> None:
 
     n, length = (int(v) for v in args.shape.lower().split("x"))
     rng = random.Random(1)
+    runs = [(1, "mp")] + [(args.tp, b) for b in args.backends.split(",")]
     for kv in args.kv_dtypes.split(","):
         rates = {}
-        for tp in (1, args.tp):
+        for tp, backend in runs:
             try:
                 llm = LLM(model=args.model, device=args.device, kv_cache_dtype=kv, tensor_parallel_size=tp,
-                          distributed_executor_backend="mp", max_num_seqs=n, max_model_len=length + args.output_len + 1,
-                          max_num_batched_tokens=8192)
+                          distributed_executor_backend=backend, max_num_seqs=n,
+                          max_model_len=length + args.output_len + 1, max_num_batched_tokens=8192)
                 vocab = llm.engine.vocab_size
                 prompts = [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
-                rates[tp] = decode_rate(llm, prompts, args.output_len)
+                key = (tp, backend if tp > 1 else "in-process")
+                rates[key] = decode_rate(llm, prompts, args.output_len)
                 llm.engine.shutdown()
                 del llm
                 torch.cuda.empty_cache() if args.device.startswith("cuda") else None
-                emit(R, "throughput", {"model": args.model, "kv_cache_dtype": kv, "tp": tp, "shape": args.shape,
-                                       "output_len": args.output_len, **rates[tp]})
+                emit(R, "throughput", {"model": args.model, "kv_cache_dtype": kv, "tp": tp, "executor": key[1],
+                                       "shape": args.shape, "output_len": args.output_len, **rates[key]})
             except Exception as e:  # noqa: BLE001 - the row says what failed; the run goes on
                 traceback.print_exc()
-                emit(R, "throughput", {"kv_cache_dtype": kv, "tp": tp, "error": repr(e)[:300]})
+                emit(R, "throughput", {"kv_cache_dtype": kv, "tp": tp, "executor": backend, "error": repr(e)[:300]})
             save(args, R)
-        if 1 in rates and args.tp in rates:
-            emit(R, "throughput", {"kv_cache_dtype": kv, f"tp{args.tp}_over_tp1":
-                                   round(rates[args.tp]["decode_tok_s"] / rates[1]["decode_tok_s"], 3)})
+        base = rates.get((1, "in-process"))
+        for (tp, executor), rate in rates.items():
+            if tp > 1 and base:
+                emit(R, "throughput", {"kv_cache_dtype": kv, "executor": executor,
+                                       f"tp{tp}_over_tp1": round(rate["decode_tok_s"] / base["decode_tok_s"], 3)})
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -261,6 +267,8 @@ def main() -> None:
     ap.add_argument("--shape", default="64x2048", help="REQUESTSxPROMPT_LEN of the throughput section")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--kv-dtypes", default="bf16,fp4")
+    ap.add_argument("--backends", default="mp", help="executors of the TP=N throughput runs: mp and/or ray "
+                    "(ray needs Ray installed: not on the GPU machine)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     sections = [s for s in args.sections.split(",") if s]

@@ -29,3 +29,10 @@ def test_chaos_run_counts_no_hang_no_5xx_no_request_death_no_leak():
     assert r["replicas_died_unasked"] == [], r["events"]
     assert r["idle_replicas_checked"] == 3 and sum(r["kv_blocks_leaked"].values()) == 0, r["kv_blocks_leaked"]
     assert r["routing_recovered_after_s"] is not None and r["routing_recovered_after_s"] <= 30, r["windows"]
+
+
+def test_counts_summary_orders_http_and_stream_statuses():
+    """A session class can see both a 503 answer and a 503 error event mid-stream."""
+    c = chaos.Counts(sent=3, completed=1)
+    c.clean_errors.update({503: 1, "stream:503": 1})
+    assert c.summary()["clean_errors"] == {503: 1, "stream:503": 1}

@@ -160,13 +160,11 @@ def test_70b_replica_takes_one_node_of_eight_gpus():
     builder = _builder()
     config = ServerConfig.model_validate(app_of(load(CONFIG_70B))["args"])
     options = builder.placement_options(config)
-    bundles = options["placement_group_bundles"]
-    assert len(bundles) == 8
-    assert all(b["GPU"] == 1 for b in bundles)
+    (bundle,) = options["placement_group_bundles"]
+    # The replica reserves the node's 8 GPUs and starts its 8 worker processes: one replica = one node.
+    assert bundle["GPU"] == 8 and options["ray_actor_options"]["num_gpus"] == 8
     assert options["placement_group_strategy"] == "STRICT_PACK"
-    # The replica itself takes no GPU; its 8 workers take one each, so one replica = one node.
-    assert options["ray_actor_options"]["num_gpus"] == 0
-    assert sum(b["CPU"] for b in bundles) <= 192 - 1  # fits a p5.48xlarge beside an ingress replica
+    assert bundle["CPU"] <= 192 - 1  # fits a p5.48xlarge beside an ingress replica
 
 
 def test_mp_executor_replica_takes_the_node_in_one_bundle():

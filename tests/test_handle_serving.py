@@ -17,8 +17,8 @@ BLOCK_SIZE = 4
 
 
 class FakeStream:
-    """What `handle.options(stream=True).generate.remote(request)` returns: `num_tokens` outputs
-    of one token each, the last one finished."""
+    """What `handle.options(stream=True).generate.remote(request)` returns: per choice (the
+    request's n), `num_tokens` outputs of one token each, the last one finished; choices interleave."""
 
     def __init__(self, request, num_tokens: int) -> None:
         self.request = request
@@ -33,9 +33,10 @@ class FakeStream:
         for i in range(self.num_tokens):
             await asyncio.sleep(0)
             last = i == self.num_tokens - 1
-            yield RequestOutput(self.request.request_id, self.request.prompt, ids, "x" * (i + 1), "x", [120],
-                                last, "length" if last else None, None, 0,
-                                token_ids=[120] * self.num_tokens if last else None)
+            for choice in range(self.request.sampling_params.n):
+                yield RequestOutput(self.request.request_id, self.request.prompt, ids, "x" * (i + 1), "x", [120],
+                                    last, "length" if last else None, None, 0,
+                                    token_ids=[120] * self.num_tokens if last else None, index=choice)
 
     def cancel(self) -> None:
         self.cancelled = True

@@ -85,7 +85,8 @@ def test_tp2_engine_on_fake_gpus_computes_on_cpu(gpu_nodes):
     pg = placement_group(placement_bundles(2, 0.1, gpu=True, driver_cpus=0.1), strategy=PLACEMENT_STRATEGY)
     ray.get(pg.ready(), timeout=60)
     try:
-        tokens, info = run_in_placement_group(pg, model="tiny-llama", tensor_parallel_size=2, device="cpu")
+        tokens, info = run_in_placement_group(pg, model="tiny-llama", tensor_parallel_size=2, device="cpu",
+                                              distributed_executor_backend="ray")
     finally:
         remove_placement_group(pg)
     assert len({i["node_id"] for i in info}) == 1 and {i["device"] for i in info} == {"cpu"}

@@ -51,7 +51,7 @@ def deploy(model_dir: str, num_replicas: int, blocking: bool) -> None:
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    args = {"engine": {"model": model_dir, "load_format": "dummy", "tensor_parallel_size": 8, "device": "cpu",
+    args = {"engine": {"model": model_dir, "load_format": "dummy", "tensor_parallel_size": 8, "distributed_executor_backend": "ray", "device": "cpu",
                        "num_kv_blocks": 64, "max_model_len": 256},
             "placement": {"cpus_per_worker": 0.1, "replica_cpus": 0.1}}
     # what the builder derives for CUDA engines, with the engine itself on CPU (the GPUs are fake)

@@ -166,7 +166,8 @@ def test_workers_run_on_the_callers_placement_group():
     pg = placement_group(placement_bundles(2, 0.1, gpu=False, driver_cpus=0.1), strategy=PLACEMENT_STRATEGY)
     ray.get(pg.ready(), timeout=30)
     try:
-        tokens, info = run_in_placement_group(pg, model="tiny-llama", tensor_parallel_size=2)
+        tokens, info = run_in_placement_group(pg, model="tiny-llama", tensor_parallel_size=2,
+                                              distributed_executor_backend="ray")
     finally:
         remove_placement_group(pg)
     assert [i["placement_group_id"] for i in info] == [pg.id.hex()] * 2
