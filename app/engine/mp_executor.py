@@ -97,7 +97,7 @@ class MultiprocExecutor(Executor):
         self._dead: EngineDeadError | None = None
         self._last_timing: dict = {}
         # the last rank first, rank 0 (which also samples) last: 8.67 vs 8.92 ms per 8B decode step at
-        # TP=2 (bench/tp_send_order.py, bench/RESULTS.md)
+        # TP=2 (bench/tp_ab.py, bench/RESULTS.md)
         self._send_order = list(reversed(range(tp)))
         self.procs: list = []
         self.conns: list[Connection] = []
