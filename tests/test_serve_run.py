@@ -23,7 +23,7 @@ from serving import run_load_test, summarize  # noqa: E402
 # The brief's 250 requests run in the slow tier (and in bench/RESULTS.md); the default suite sends
 # fewer, shorter ones so that it stays within CI's time on 2 cores: SmolLM2 prefills about 270
 # prompt tokens/s there, about 6 s per distinct ~1.6k-token prompt.
-CI_REQUESTS = {False: 8, True: 4}
+CI_REQUESTS = {False: 6, True: 3}
 CI_MAX_TOKENS = 32
 
 
