@@ -71,28 +71,30 @@ def test_duplicate_id_of_an_n_request_changes_nothing():
     assert len(engine.scheduler.requests) == 2
 
 
-def test_a_held_choice_does_not_block_the_queue():
-    """Choice 1 waits for choice 0's prompt; a request queued after it is admitted meanwhile."""
+def test_a_request_waits_for_a_prefix_in_flight_without_blocking_the_queue():
+    """b has a's prompt: it is held while a computes it (x, queued after b, goes ahead), then finds
+    a's full blocks in the prefix cache. The same holds for the choices of an n > 1 request."""
     kv = KVCacheManager(num_blocks=32, block_size=4)
-    sched = Scheduler(kv, max_num_batched_tokens=8, max_num_seqs=8, max_model_len=128)
-    first = Sequence("r#0", list(range(20)), SamplingParams())
-    second = Sequence("r#1", list(range(20)), SamplingParams(), prefix_parent=first)
-    other = Sequence("x", [1, 2, 3], SamplingParams())
-    for s in (first, second, other):
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128)
+    a, b = (Sequence(rid, list(range(20)), SamplingParams()) for rid in "ab")
+    x = Sequence("x", [1, 2, 3], SamplingParams())
+    for s in (a, b, x):
         sched.add_request(s)
-    out = sched.schedule()  # budget 8: r#0 takes it all
-    assert [s.request_id for s, _ in out.scheduled] == ["r#0"]
-    sched.update_from_output(out, {})
-    out = sched.schedule()  # 8 more of r#0 fill the budget
-    assert [s.request_id for s, _ in out.scheduled] == ["r#0"]
-    sched.update_from_output(out, {})
-    out = sched.schedule()  # r#0's last 4, then x: r#1 is stepped over (r#0's prompt is not computed yet)
-    assert [s.request_id for s, _ in out.scheduled] == ["r#0", "x"]
-    sched.update_from_output(out, {"r#0": 5, "x": 6})
     out = sched.schedule()
-    ids = {s.request_id: n for s, n in out.scheduled}
-    assert ids["r#1"] == 4  # 16 of its 20 tokens came from r#0's cached blocks
-    assert second.num_cached_tokens == 16
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("a", 20), ("x", 3)]
+    sched.update_from_output(out, {"a": 7, "x": 8})
+    out = sched.schedule()
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("a", 1), ("x", 1), ("b", 4)]
+    assert b.num_cached_tokens == 16  # 4 of its 5 blocks came from a (the last token is always computed)
+
+
+def test_no_wait_without_prefix_caching_or_for_prompt_logprobs():
+    for caching, params in ((False, SamplingParams()), (True, SamplingParams(prompt_logprobs=0))):
+        kv = KVCacheManager(num_blocks=32, block_size=4, enable_prefix_caching=caching)
+        sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128)
+        for rid in "ab":
+            sched.add_request(Sequence(rid, list(range(20)), params))
+        assert [(s.request_id, n) for s, n in sched.schedule().scheduled] == [("a", 20), ("b", 20)]
 
 
 def test_async_generate_streams_every_choice():

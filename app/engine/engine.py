@@ -212,15 +212,11 @@ class LLMEngine:
         with self._lock:
             if request_id in self._requests or request_id in self._choices:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            ids, first = [], None
-            try:
+            ids = []
+            try:  # the scheduler holds choices 1.. until choice 0 has computed the prompt's full blocks
                 for i in range(params.n):
                     ids.append(f"{request_id}#{i}")
-                    seq = self._add_sequence(ids[-1], i, request_id, prompt, prompt_ids, params.choice(i))
-                    if first is None:
-                        first = seq
-                    elif params.prompt_logprobs is None:  # those compute the whole prompt anyway
-                        seq.prefix_parent = first
+                    self._add_sequence(ids[-1], i, request_id, prompt, prompt_ids, params.choice(i))
             except BaseException:
                 self.scheduler.finish_requests(ids, SequenceStatus.FINISHED_ABORTED)
                 for sid in ids:
@@ -229,7 +225,7 @@ class LLMEngine:
             self._choices[request_id] = ids
 
     def _add_sequence(self, seq_id: str, index: int, request_id: str, prompt: str | Seq[int],
-                      prompt_ids: list[int], params: SamplingParams) -> Sequence:
+                      prompt_ids: list[int], params: SamplingParams) -> None:
         seq = Sequence(seq_id, prompt_ids, params)
         detok = IncrementalDetokenizer(
             self.tokenizer,
@@ -249,7 +245,6 @@ class LLMEngine:
                 raise InvalidRequestError(f"request id {seq_id!r} is already in use")
             self.scheduler.add_request(seq)  # raises (changing nothing) on a duplicate id
             self._requests[seq_id] = state
-        return seq
 
     def abort_request(self, request_ids: str | Seq[str]) -> list[RequestOutput]:
         """Stop requests and free their blocks (after the step in flight, if any); unknown or

@@ -87,6 +87,9 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_prefix_hit_tokens_total = 0  # prompt tokens served by the prefix cache
         self.num_prompt_tokens_total = 0  # prompt tokens of requests scheduled for the first time
+        # hold a waiting request whose next uncached prompt block a running one is computing (see
+        # _inflight_blocks); off only for A/B measurements (bench/shared_prefix.py)
+        self.share_inflight_prefixes = True
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -156,17 +159,19 @@ class Scheduler:
             break  # seq preempted itself: nothing after it is left to schedule
 
         if not out.preempted:
-            j = 0  # waiting requests are admitted in order; a choice held for its sibling is stepped over
+            inflight = self._inflight_blocks()
+            j = 0  # waiting requests are admitted in order; one held for an in-flight prefix is stepped over
             while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[j]
-                if self._held(seq):
+                hits, num_hit_tokens = self.kv.get_computed_blocks(seq)
+                if self._awaits_inflight(seq, num_hit_tokens, inflight):
                     j += 1
                     continue
-                hits, num_hit_tokens = self.kv.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - num_hit_tokens, budget)
                 if self.kv.allocate_slots(seq, num_new, hits) is None:
                     break
                 del self.waiting[j]
+                self._add_inflight(seq, num_hit_tokens, inflight)
                 if seq.num_cached_tokens < 0:
                     seq.num_cached_tokens = num_hit_tokens
                     self.num_prefix_hit_tokens_total += num_hit_tokens
@@ -178,16 +183,40 @@ class Scheduler:
                 budget -= num_new
         return out
 
-    def _held(self, seq: Sequence) -> bool:
-        """Whether seq waits for its prefix parent (another choice of its request) to compute the
-        prompt, whose full blocks it will then find in the prefix cache."""
-        parent = seq.prefix_parent
-        if parent is None:
+    # -- prompts that share a prefix being computed --------------------------------------------
+    # A waiting request whose next uncached block is one a running request is computing right now
+    # (the same prompt prefix: a shared system prompt, the choices of an n > 1 request, a swarm's
+    # common context) waits for it instead of computing the same blocks again, and takes them from
+    # the prefix cache once they are full and cached. It never waits on itself or on a request that
+    # is not running, so it cannot starve.
+    def _inflight_blocks(self) -> dict:
+        """Block hash -> the running request still to compute that full prompt block."""
+        if not self.kv.enable_prefix_caching or not self.share_inflight_prefixes:
+            return {}
+        inflight: dict = {}
+        for seq in self.running:
+            self._add_inflight(seq, seq.num_computed_tokens, inflight)
+        return inflight
+
+    def _add_inflight(self, seq: Sequence, num_computed: int, inflight: dict) -> None:
+        """Record seq's full prompt blocks from token num_computed on as being computed by seq."""
+        bs = self.block_size
+        first, end = num_computed // bs, seq.num_prompt_tokens // bs
+        if first >= end or not self.kv.enable_prefix_caching or not self.share_inflight_prefixes \
+                or seq.sampling_params.prompt_logprobs is not None:
+            return  # nothing left to compute, or blocks that will never be cached for others
+        hashes = seq.update_block_hashes(bs)
+        for i in range(first, min(end, len(hashes))):
+            inflight.setdefault(hashes[i], seq)
+
+    def _awaits_inflight(self, seq: Sequence, num_hit_tokens: int, inflight: dict) -> bool:
+        if not inflight or seq.sampling_params.prompt_logprobs is not None:
+            return False  # a prompt-logprobs request computes its whole prompt anyway
+        k = num_hit_tokens // self.block_size  # its first block not found in the cache
+        if k >= (seq.num_tokens - 1) // self.block_size:  # no full block left that a hit could serve
             return False
-        if parent.is_finished or parent.num_computed_tokens >= parent.num_prompt_tokens:
-            seq.prefix_parent = None  # free for good, whatever happens to the parent later
-            return False
-        return True
+        owner = inflight.get(seq.update_block_hashes(self.block_size)[k])
+        return owner is not None and owner is not seq
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

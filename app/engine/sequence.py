@@ -49,9 +49,6 @@ class Sequence:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     block_hashes: list[BlockHash] = field(default_factory=list)  # of the full blocks of all tokens
-    # Another choice of the same n > 1 request: this one waits until that one has computed its
-    # prompt, then takes its full blocks from the prefix cache instead of computing them again.
-    prefix_parent: Sequence | None = None
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a sequence needs at least one prompt token"
