@@ -226,8 +226,7 @@ def run_allreduce(args, R: dict) -> None:
 
 
 def run_kill(args, R: dict) -> None:
-    model = args.model
-    llm = LLM(model=model, device=args.device, tensor_parallel_size=args.tp, distributed_executor_backend="mp",
+    llm = LLM(model=args.model, device=args.device, tensor_parallel_size=args.tp, distributed_executor_backend="mp",
               max_model_len=4096, max_num_seqs=8)
     eng = llm.engine
     for i in range(8):
@@ -247,13 +246,13 @@ def run_kill(args, R: dict) -> None:
     eng.shutdown()
     del llm, eng
     t1 = time.perf_counter()
-    again = LLM(model=model, device=args.device, tensor_parallel_size=args.tp, distributed_executor_backend="mp",
+    again = LLM(model=args.model, device=args.device, tensor_parallel_size=args.tp, distributed_executor_backend="mp",
                 max_model_len=4096, max_num_seqs=8)
     ok = len(again.generate("hello", SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
     t_restart = time.perf_counter() - t1
     again.engine.shutdown()
-    emit(R, "kill", {"tp": args.tp, "model": model, "error_after_s": round(t_error, 2), "error": (error or "")[:300],
-                     "next_engine_generated": ok, "next_engine_ready_and_generated_s": round(t_restart, 1)})
+    emit(R, "kill", {"tp": args.tp, "model": args.model, "error_after_s": round(t_error, 2),
+                     "error": (error or "")[:300], "next_engine_generated": ok, "next_engine_ready_and_generated_s": round(t_restart, 1)})
     save(args, R)
 
 

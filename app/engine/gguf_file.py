@@ -155,7 +155,7 @@ class GGUFFile:
         import torch
         from tqdm import tqdm
 
-        from app.engine.loader import interleaved_to_half_rope
+        from app.engine.loader import check_all_loaded, interleaved_to_half_rope
 
         c = model.config
         params = dict(model.named_parameters())
@@ -179,10 +179,7 @@ class GGUFFile:
                 w = interleaved_to_half_rope(w, c.num_key_value_heads)
             params[key].copy_(w[model.shard_slices(key)])
             loaded.add(key)
-        missing = sorted(set(params) - loaded)
-        if missing or unexpected:
-            raise ValueError(f"{self.path} does not match the Llama config: missing {missing}, "
-                             f"unexpected tensors {sorted(unexpected)}")
+        check_all_loaded(str(self.path), params, loaded, unexpected)
 
     # -- tokenizer -----------------------------------------------------------------------------
     def tokenizer(self) -> "GGUFTokenizer":

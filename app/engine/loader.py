@@ -167,9 +167,14 @@ def _load_safetensors_dir(model: LlamaForCausalLM, path: Path) -> None:
                     raise ValueError(f"{file.name}: {key} has shape {shape}, the model expects {expected}")
                 params[key].copy_(entry[model.shard_slices(key)])
                 loaded.add(key)
+    check_all_loaded(f"checkpoint {path}", params, loaded, unexpected)
+
+
+def check_all_loaded(source: str, params: dict, loaded: set, unexpected: list) -> None:
+    """ValueError unless a checkpoint filled every parameter and held nothing else."""
     missing = sorted(set(params) - loaded)
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the Llama config: missing keys {missing}, "
+        raise ValueError(f"{source} does not match the Llama config: missing keys {missing}, "
                          f"unexpected keys {sorted(unexpected)}")
 
 

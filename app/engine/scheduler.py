@@ -158,7 +158,7 @@ class Scheduler:
                 continue
             break  # seq preempted itself: nothing after it is left to schedule
 
-        if not out.preempted:
+        if not out.preempted and self.waiting:
             inflight = self._inflight_blocks()
             j = 0  # waiting requests are admitted in order; one held for an in-flight prefix is stepped over
             while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
