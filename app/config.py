@@ -102,7 +102,8 @@ class EngineConfig(BaseModel):
         "auto", description="'dummy' loads seeded random weights with the model directory's config."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Compute dtype. 'auto': float32 on CPU, bfloat16 on GPU."
+        "auto", description="Compute dtype. 'auto': bfloat16 on GPUs and on CPUs with native bf16 "
+        "(AVX512-BF16 / AMX-BF16 / Arm BF16), float32 on other CPUs."
     )
     kv_cache_dtype: Literal["fp4", "fp8", "bf16", "fp16", "fp32", "auto"] = Field(
         "bf16",

@@ -74,3 +74,27 @@ def poison(pages):
 def page_bits(pages) -> list[torch.Tensor]:
     arrays = [pages] if isinstance(pages, torch.Tensor) else list(pages)
     return [t.contiguous().view(torch.uint8) for t in arrays]
+
+
+def paged_step(tables, computed, new, spec, num_heads, gen, keys=None):
+    """AttentionMetadata and random q/k/v for an engine step giving new[i] tokens to sequence i,
+    whose pages are tables[i] and whose first computed[i] tokens are cached. `keys(t)` makes K
+    (default: keys_like_llama); q, k, v come in spec.compute_dtype."""
+    from app.engine.attention import AttentionMetadata
+
+    bs = spec.block_size
+    slots, seq_lens, qsl = [], [], [0]
+    for table, start, n in zip(tables, computed, new):
+        pos = torch.arange(start, start + n)
+        slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
+        seq_lens.append(start + n)
+        qsl.append(qsl[-1] + n)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=torch.cat(slots), block_tables=block_tables, seq_lens=seq_lens,
+                             query_start_loc=qsl)
+    t, dt = qsl[-1], spec.compute_dtype
+    q = torch.randn(t, num_heads, spec.head_dim, generator=gen).to(dt)
+    k = (keys(t) if keys is not None else keys_like_llama(t, spec.num_kv_heads, spec.head_dim, gen=gen)).to(dt)
+    v = torch.randn(t, spec.num_kv_heads, spec.head_dim, generator=gen).to(dt)
+    return meta, q, k, v

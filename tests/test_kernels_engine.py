@@ -9,36 +9,15 @@ to float32 rounding: both paths read the pages' exact values and keep float32 th
 import pytest
 import torch
 
-from app.engine.attention import AttentionMetadata
 from app.engine.kv_cache import KVCacheSpec, create_kv_cache
 from app.kernels import paged
 from app.kernels.fp4 import FP4Format
-from kernels_testing import DEFAULT_FP4, rel_err
+from kernels_testing import DEFAULT_FP4, paged_step, rel_err
 
 ROTATED = tuple(FP4Format(group_size=fmt.group_size, outliers=fmt.outliers, rotate=True,
                           scale_targets=fmt.scale_targets) for fmt in DEFAULT_FP4)
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, compute_dtype=torch.bfloat16)
 NUM_HEADS = 8
-
-
-def _step(tables, computed, new, gen):
-    """Metadata and random q/k/v for a step giving new[i] tokens to sequence i."""
-    bs = SPEC.block_size
-    slots, seq_lens, qsl = [], [], [0]
-    for table, start, n in zip(tables, computed, new):
-        pos = torch.arange(start, start + n)
-        slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
-        seq_lens.append(start + n)
-        qsl.append(qsl[-1] + n)
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    meta = AttentionMetadata(slot_mapping=torch.cat(slots), block_tables=block_tables, seq_lens=seq_lens,
-                             query_start_loc=qsl)
-    t = qsl[-1]
-    q = torch.randn(t, NUM_HEADS, SPEC.head_dim, generator=gen).bfloat16()
-    k = (torch.randn(t, SPEC.num_kv_heads, SPEC.head_dim, generator=gen) * 3).bfloat16()
-    v = torch.randn(t, SPEC.num_kv_heads, SPEC.head_dim, generator=gen).bfloat16()
-    return meta, q, k, v
 
 
 @pytest.mark.parametrize("kv,formats", [("bf16", None), ("fp8", None), ("fp4", DEFAULT_FP4), ("fp4", ROTATED)],
@@ -47,12 +26,14 @@ def test_kernel_path_matches_torch_path(kv, formats):
     caches = [create_kv_cache(kv, SPEC, 16, "cpu", formats) for _ in range(2)]
     assert not caches[0].kernels_enabled()  # CPU: the torch path unless forced
     caches[0].use_kernels, caches[1].use_kernels = True, False
+    caches[1].use_cpu_kernels = False  # the torch reference, not the CPU extension
     gen = torch.Generator().manual_seed(0)
     tables = [[3, 7, 1], [0], [12, 4, 9, 2]]
     computed = [0, 0, 0]
     used = torch.tensor(sorted(b for t in tables for b in t))
     for new in ([20, 5, 33], [1, 1, 1], [7, 1, 1]):  # ragged prefill, decodes (split-KV kernel), mixed
-        meta, q, k, v = _step(tables, computed, new, gen)
+        meta, q, k, v = paged_step(tables, computed, new, SPEC, NUM_HEADS, gen,
+                                   keys=lambda t: torch.randn(t, SPEC.num_kv_heads, SPEC.head_dim, generator=gen) * 3)
         for cache in caches:
             cache.store(1, k, v, meta.slot_mapping)
         # store: the same pages, but where bf16 K/V hold equal magnitudes among outlier candidates

@@ -53,22 +53,18 @@ def _rows(pages, slots):
 
 
 @pytest.mark.parametrize("name", ["fp4", "fp8"])
-def test_store_from_bf16_matches_up_to_outlier_ties(name):
-    """The engine stores bf16 K/V, where equal magnitudes happen: torch.topk's choice among ties is
-    unspecified, the kernel takes the lowest index. Vectors may differ only there, and then
-    dequantize about as well."""
+def test_store_from_bf16_matches_the_reference(name):
+    """The engine stores bf16 K/V, where equal magnitudes happen: among outlier candidates of equal
+    magnitude the kernel and the reference both take the lowest index first, so every vector
+    dequantizes to the same values."""
     key, value, slots = _case(64, 4, 128, 8, 16, torch.bfloat16, seed=3)
     got = _stored(name, key, value, slots, 8, 16, kernel=True)
     want = _stored(name, key, value, slots, 8, 16, kernel=False)
     written = slots[slots >= 0]
-    for i, x in enumerate((key, value)):
+    for i in range(2):
         a = paged.dequantize_pages(_rows(got[i], written), got[2][i])
         b = paged.dequantize_pages(_rows(want[i], written), want[2][i])
-        same = (a == b).all(-1)
-        assert same.float().mean() > 0.97
-        err_a = (a - x[slots >= 0].float()).norm(dim=-1)
-        err_b = (b - x[slots >= 0].float()).norm(dim=-1)
-        assert (err_a <= 1.05 * err_b + 1e-6).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_store_refuses_non_finite_and_writes_nothing():

@@ -43,10 +43,12 @@ def ray_local():
 
 
 def model_kwargs(name, stories_paths):
+    """float32 compute: TP sums partial products in another order, exact only where no rounding to
+    bf16 sits between them."""
     if name == "tiny":
-        return dict(model="tiny-llama")
+        return dict(model="tiny-llama", dtype="float32")
     model, tok = stories_paths
-    return dict(model=model, tokenizer=tok)
+    return dict(model=model, tokenizer=tok, dtype="float32")
 
 
 def run_workload(llm):

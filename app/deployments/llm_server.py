@@ -69,14 +69,18 @@ class LLMServer:
 
     # -- requests ------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs. Raises InvalidRequestError / EngineOverloadedError /
-        EngineDeadError (typed, through the handle) before the first output."""
+        """Stream the request's outputs (with request.stream False, the first and the final ones).
+        Raises InvalidRequestError / EngineOverloadedError / EngineDeadError (typed, through the
+        handle) before the first output."""
+        first = True
         async for out in self.engine.generate(
             request.prompt_token_ids, request.sampling_params, request_id=request.request_id
         ):
             if request.prompt is not None:
                 out.prompt = request.prompt
-            yield out
+            if request.stream or first or out.finished:
+                first = False
+                yield out
 
     async def model_info(self) -> ModelInfo:
         return self.info

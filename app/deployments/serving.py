@@ -187,21 +187,24 @@ class OpenAIServing:
                        session_id: str | None, fields: dict[str, str], prompt_text: str | None):
         """Generate, and turn the engine's outputs into this endpoint's responses or chunks."""
         rid = new_id("cmpl" if endpoint == COMPLETIONS else "chatcmpl")
-        outputs = self._generate(endpoint, rid, prompt_ids, params, session_id or request.user, fields, prompt_text)
+        outputs = self._generate(endpoint, rid, prompt_ids, params, session_id or request.user, fields, prompt_text,
+                                 bool(request.stream))
         make_items = self._completion_items if endpoint == COMPLETIONS else self._chat_items
         async with aclosing(outputs):  # closing it early cancels the engine's stream
             async for item in make_items(request, rid, outputs):
                 yield item
 
     async def _generate(self, endpoint: str, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                        session_id: str | None, fields: dict[str, str], prompt_text: str | None
+                        session_id: str | None, fields: dict[str, str], prompt_text: str | None, stream: bool
                         ) -> AsyncIterator[RequestOutput]:
-        """Stream from an LLMServer replica; its errors become OpenAIErrors (before the first output).
+        """Stream from an LLMServer replica (stream False: the first and final outputs only); its
+        errors become OpenAIErrors (before the first output).
         Closing this early (or cancelling its task) cancels the replica's stream: the engine aborts."""
         await self._admit(prompt_ids, params, fields)
         generate_request = GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params, prompt=prompt_text,
-            session_id=session_id, block_hashes=hash_request_tokens(prompt_ids, self.config.engine.block_size))
+            session_id=session_id, block_hashes=hash_request_tokens(prompt_ids, self.config.engine.block_size),
+            stream=stream)
         m = self.metrics
         t0 = time.perf_counter()
         t_first = None
@@ -217,8 +220,11 @@ class OpenAIServing:
                     m.time_to_first_token.labels(endpoint).observe(t_first - t0)
                     m.prompt_tokens.inc(len(prompt_ids))
                     m.cached_tokens.inc(out.num_cached_tokens)
-                num_tokens[out.index] += len(out.delta_token_ids)
-                m.generation_tokens.inc(len(out.delta_token_ids))
+                # a final output carries every token (the deltas before it may not all have come)
+                count = (len(out.token_ids) if out.finished and out.token_ids is not None
+                         else num_tokens[out.index] + len(out.delta_token_ids))
+                m.generation_tokens.inc(count - num_tokens[out.index])
+                num_tokens[out.index] = count
                 num_finished += out.finished
                 if num_finished == params.n:
                     finished = True

@@ -19,6 +19,10 @@ class GenerateRequest:
     prompt: str | None = None  # the text, for outputs; the engine only reads the ids
     session_id: str | None = None  # agent session (x-session-id or `user`), for routing
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the prompt's full blocks
+    # False: the replica sends only the first output (the prompt is computed) and each choice's
+    # final one (which carries the complete text, ids and logprobs), not one message per step;
+    # the ingress sets it for non-streaming HTTP requests.
+    stream: bool = True
 
 
 @dataclass(slots=True)

@@ -5,8 +5,10 @@ A block holds `block_size` tokens of one layer. Every format keeps all arrays of
 block pool hands out ids without knowing the format. `create_kv_cache` picks the class by its
 `kv_cache_dtype` name; `kv_bytes_per_token` gives the exact bytes each format allocates.
 
-`store` and `attention` run the Triton kernels (app/kernels/) on CUDA and the torch reference
-path elsewhere; `KVCache.kernels_enabled` is the one place that chooses.
+`attention` runs the Triton kernels (app/kernels/) on CUDA, the CPU extension
+(app/kernels/cpu_attention.py) on the CPU where it builds, and the torch reference path otherwise;
+`store` runs the Triton kernels on CUDA and torch elsewhere. `KVCache.kernels_enabled` and
+`KVCache.cpu_kernels_enabled` are the places that choose.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class KVCache(ABC):
         self.num_blocks = num_blocks
         self.device = torch.device(device)
         self.use_kernels: bool | None = None  # None: decided by kernels_enabled() on first use
+        self.use_cpu_kernels: bool | None = None  # None: decided by cpu_kernels_enabled() on first use
         self.check_finite = True  # quantized formats refuse NaN/Inf before writing (a device sync)
 
     def kernels_enabled(self) -> bool:
@@ -53,6 +56,15 @@ class KVCache(ABC):
         if self.use_kernels is None:
             self.use_kernels = self.device.type == "cuda" and self.kernel_problem() is None
         return self.use_kernels
+
+    def cpu_kernels_enabled(self) -> bool:
+        """The CPU extension's attention on CPU caches where it builds (app/kernels/cpu_attention.py);
+        setting `use_cpu_kernels` overrides it (False: the torch reference)."""
+        if self.use_cpu_kernels is None:
+            from app.kernels import cpu_attention
+
+            self.use_cpu_kernels = self.device.type == "cpu" and cpu_attention.available()
+        return self.use_cpu_kernels
 
     def kernel_problem(self) -> str | None:
         """Why the kernels cannot serve this cache, or None."""
@@ -115,6 +127,8 @@ class KVCache(ABC):
         """Each sequence's new tokens attend causally to its cached tokens (themselves included)."""
         if self.kernels_enabled():
             return self._attend_kernels(layer, query, meta, scale)
+        if self.cpu_kernels_enabled():
+            return self._attend_cpu(layer, query, meta, scale)
         return self._attend(layer, query, meta, scale, self.read_exact)
 
     def read_exact(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,6 +147,31 @@ class KVCache(ABC):
                                     meta.max_seq_len, self.kernel_formats)
         return prefill_attention(query, k_pages, v_pages, meta.block_tables, meta.seq_lens_tensor,
                                  meta.query_start_loc_tensor, scale, self.kernel_formats)
+
+    def _attend_cpu(self, layer, query, meta, scale) -> torch.Tensor:
+        """The CPU extension: decodes in one fused call, each prefill chunk over its blocks gathered
+        once (dequantized into the compute dtype) by torch's flash-attention kernel."""
+        from app.kernels import cpu_attention
+
+        out = torch.empty_like(query)
+        k_pages, v_pages = self.layer_pages(layer)
+        k_fmt, v_fmt = self.kernel_formats
+        bs = self.spec.block_size
+        seq_lens_t = meta.seq_lens_tensor
+        seq_lens, qsl = seq_lens_t.tolist(), meta.query_start_loc_tensor.tolist()
+        rows = [qsl[i] if qsl[i + 1] - qsl[i] == 1 else -1 for i in range(len(seq_lens))]
+        if any(r >= 0 for r in rows):
+            cpu_attention.decode(query, k_pages, v_pages, self.kernel_formats, meta.block_tables, seq_lens_t,
+                                 torch.tensor(rows), scale, out)
+        for i, seq_len in enumerate(seq_lens):
+            start, end = qsl[i], qsl[i + 1]
+            if end - start <= 1:
+                continue  # a decode (done above) or nothing
+            block_ids = meta.block_tables[i, : cdiv(seq_len, bs)]
+            k = cpu_attention.gather(k_pages, k_fmt, block_ids, query.dtype)[:seq_len]
+            v = cpu_attention.gather(v_pages, v_fmt, block_ids, query.dtype)[:seq_len]
+            out[start:end] = cpu_attention.prefill(query[start:end], k, v, scale)
+        return out
 
     def _attend(self, layer, query, meta, scale, read_blocks) -> torch.Tensor:
         """Torch reference over pages that `read_blocks(layer, ids)` returns (read_exact: float32).
@@ -233,6 +272,13 @@ class FP8KVCache(KVCache):
         return self.pages[2 * layer], self.pages[2 * layer + 1]
 
     def _store_ref(self, layer, key, value, slot_mapping) -> None:
+        if self.cpu_kernels_enabled():
+            from app.kernels import cpu_attention
+
+            fp4.check_finite(key), fp4.check_finite(value)  # both checked before any write
+            for i, x in enumerate((key, value)):
+                cpu_attention.store_fp8(x, slot_mapping, *self.pages[2 * layer + i])
+            return
         quantized = [fp4.fp8_quantize(key), fp4.fp8_quantize(value)]  # both checked before any write
         for i, (values, scale) in enumerate(quantized):
             page_values, page_scale = self.pages[2 * layer + i]
@@ -299,6 +345,15 @@ class FP4KVCache(KVCache):
         super().store(layer, key, value, slot_mapping, nonfinite)
 
     def _store_ref(self, layer, key, value, slot_mapping) -> None:
+        if self.cpu_kernels_enabled() and all(f.outlier_mode == "topk" for f in self.formats):
+            from app.kernels import cpu_attention
+
+            fp4.check_finite(key), fp4.check_finite(value)  # both checked before any write
+            for i, (x, fmt) in enumerate(zip((key, value), self.formats)):
+                if self.rotation is not None:
+                    x = x.float() @ self.rotation
+                cpu_attention.store_fp4(x, slot_mapping, self.pages[2 * layer + i], fmt)
+            return
         quantized = [fp4.fp4_quantize(x, fmt, self.rotation) for x, fmt in zip((key, value), self.formats)]
         for i, q in enumerate(quantized):  # both checked (NaN/Inf) before any write
             for page, new in zip(self.pages[2 * layer + i], q):
@@ -328,6 +383,8 @@ class FP4KVCache(KVCache):
         q = (query.float() @ self.rotation).to(query.dtype)
         if self.kernels_enabled():
             out = self._attend_kernels(layer, q, meta, scale)
+        elif self.cpu_kernels_enabled():
+            out = self._attend_cpu(layer, q, meta, scale)  # the pages hold the rotated basis
         else:
             out = self._attend(layer, q, meta, scale, lambda lyr, ids: self._read(lyr, ids, rotated=True))
         return (out.float() @ self.rotation.T).to(query.dtype)

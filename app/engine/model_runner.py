@@ -31,9 +31,24 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 CPU_DEFAULT_KV_MEMORY = 1 << 30
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bf16 natively (x86: AVX512-BF16 or AMX-BF16; Arm: the BF16
+    extension), from the kernel's CPU flags; False where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    except OSError:
+        pass
+    return False
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto': bfloat16 on GPUs and on CPUs with native bf16 (cpu_has_bf16), float32 on other CPUs."""
     if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return torch.bfloat16 if device.type != "cpu" or cpu_has_bf16() else torch.float32
     return _DTYPES[dtype]
 
 

@@ -142,7 +142,10 @@ def _select_outliers(x: torch.Tensor, fmt: FP4Format) -> tuple[torch.Tensor, tor
     if fmt.outlier_mode == "zscore":
         mean, std = x.mean(-1, keepdim=True), x.std(-1, keepdim=True, correction=0)
         mag = torch.where((x - mean).abs() > fmt.zscore * std, mag, torch.full_like(mag, -1.0))
-    top, idx = mag.topk(fmt.outliers, dim=-1)
+    # Among equal magnitudes the lower index first (a stable sort; topk leaves ties unspecified),
+    # as the store kernels select them.
+    top, idx = mag.sort(dim=-1, descending=True, stable=True)
+    top, idx = top[..., : fmt.outliers], idx[..., : fmt.outliers]
     used = top >= 0
     if fmt.outlier_mode == "topk":
         used &= top > 0

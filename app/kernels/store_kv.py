@@ -5,10 +5,9 @@ format (bf16/fp16 cast, fp8 E4M3 with a float32 scale per vector, or fp4 as app/
 defines it) and writes them to row slot * H + head of every page array (paged.py).
 
 fp4 follows fp4_quantize step by step, in float32 without fused multiply-adds and with IEEE
-division, so it writes the same bits, with three documented exceptions that only move a value
-between two equally valid encodings:
-  * ties in |x| among outlier candidates: torch.topk's choice among equal magnitudes is
-    unspecified; the kernel takes the lowest index first;
+division, so it writes the same bits (among outlier candidates of equal magnitude both take the
+lowest index first), with two documented exceptions that only move a value between two equally
+valid encodings:
   * the scale search sums squared errors in another order, so two candidate scales whose errors
     agree to float32 rounding may be chosen differently;
   * the second-level exponent is ceil(log2(y)) computed exactly from y's bits; torch's float log2

@@ -1,0 +1,708 @@
+// Paged attention on the CPU: dense, fp8 and fp4 pages read and dequantized inside the loop.
+//
+// Built on first use by app/kernels/cpu_attention.py (torch.utils.cpp_extension.load); the torch
+// reference in app/engine/attention.py is the ground truth it is tested against.
+//
+//   decode(...)  one new token per sequence: a loop per (sequence, KV head) over the sequence's
+//                tokens in tiles of TILE, each tile dequantized into a small float buffer (K
+//                transposed, so the scores of a tile are TILE-wide vector FMAs), an online
+//                softmax, and P x V accumulated in float. The context is never materialized.
+//   gather(...)  the listed blocks dequantized into [n * block_size, H, D] of the compute dtype,
+//                for prefill chunks, whose attention then runs in torch's fused CPU kernel.
+//
+// Page layouts are those of app/kernels/paged.py: every array [num_blocks, block_size, H, ...],
+// contiguous. fp4: codes [.., D/2] uint8 (element 2i low nibble), scales [.., D/G] e4m3, scale_exp
+// [..] uint8 (2^(e - 127)), out_vals [.., k] bf16, out_idx [.., k] uint8 (added to the codes' value).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define APP_AVX512 1
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int TILE = 16;  // tokens per tile of the decode loop (one AVX-512 vector of floats)
+
+float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+
+inline float pow2(int e) {  // 2^e, exact for normal results
+  return e >= -126 && e <= 127 ? bits_to_float(uint32_t(e + 127) << 23) : std::ldexp(1.0f, e);
+}
+
+float e4m3_to_float(uint8_t b) {  // float8_e4m3fn: no infinities, 0x7f / 0xff are NaN
+  const int s = b >> 7, e = (b >> 3) & 0xF, m = b & 0x7;
+  float v;
+  if (e == 0xF && m == 0x7) v = NAN;
+  else if (e == 0) v = std::ldexp(float(m), -9);  // subnormal: m / 8 * 2^-6
+  else v = std::ldexp(1.0f + m / 8.0f, e - 7);
+  return s ? -v : v;
+}
+
+struct Tables {
+  float e4m3[256];
+  float e2m1_pair[256][2];  // byte -> (low nibble value, high nibble value)
+  Tables() {
+    const float e2m1[8] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    auto code = [&](int c) { return (c & 8) ? -e2m1[c & 7] : e2m1[c & 7]; };
+    for (int b = 0; b < 256; ++b) {
+      e4m3[b] = e4m3_to_float(uint8_t(b));
+      e2m1_pair[b][0] = code(b & 0xF);
+      e2m1_pair[b][1] = code(b >> 4);
+    }
+  }
+};
+const Tables& tables() {
+  static const Tables t;
+  return t;
+}
+
+// exp(x) for x <= 0 (scores minus their running max), vectorizable: 2^(x log2 e) split into an
+// integer power built in the exponent bits and a degree-6 polynomial on [-0.5, 0.5] (rel. err ~2e-7).
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float n = std::nearbyint(t);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+#ifdef APP_AVX512
+// 16 e4m3 bytes -> floats, each the e4m3 value x 2^-8: the bits moved into fp16 (sign, then the
+// exponent and mantissa fields one place lower: the bias differs by 8), subnormals included.
+inline __m512 e4m3x16_times_2m8(__m128i b) {
+  const __m256i w = _mm256_cvtepu8_epi16(b);
+  const __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                       _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_cvtph_ps(bits);
+}
+#endif
+
+// One tile of the online softmax: scores sg[0, n) become probabilities (0 up to TILE) against the
+// running max m, and l their running sum; returns what the accumulator must be multiplied by.
+inline float softmax_tile(float* sg, int n, float& m, float& l) {
+  float mx = m;
+  for (int t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+  const float corr = fast_exp(m - mx);
+  m = mx;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int t = 0; t < TILE; ++t) {
+    const float p = t < n ? fast_exp(sg[t] - mx) : 0.0f;
+    sg[t] = p;
+    sum += p;
+  }
+  l = l * corr + sum;
+  return corr;
+}
+
+// What the decode's vector path asks of a reader besides vload (x[0 .. D/16) <- the row in the
+// order pos() gives, times the returned factor): dense and fp8 rows keep their order, no outliers.
+struct InOrderRows {
+  static int pos(int e) { return e; }
+  bool vec_ok(int D) const { return D % 16 == 0 && D <= 256; }
+  int num_outliers() const { return 0; }
+  void outlier(int64_t, int64_t, int, int&, float&) const {}
+#ifdef APP_AVX512
+  __mmask16 voutliers(int64_t, int64_t, __m512i&, __m512&) const { return 0; }
+#endif
+};
+
+// A reader turns (slot, head) into head_dim floats. slot = block_id * block_size + offset.
+struct DenseReader : InOrderRows {
+  const void* base;
+  at::ScalarType dtype;
+  int64_t row;  // elements per (slot, head) row: head_dim
+  int64_t heads;
+  void load(int64_t slot, int64_t h, float* dst, int D) const {
+    const int64_t at = (slot * heads + h) * row;
+    if (dtype == at::kBFloat16) {
+      const uint16_t* p = static_cast<const uint16_t*>(base) + at;
+      for (int d = 0; d < D; ++d) dst[d] = bf16_to_float(p[d]);
+    } else if (dtype == at::kHalf) {
+      const at::Half* p = static_cast<const at::Half*>(base) + at;
+      for (int d = 0; d < D; ++d) dst[d] = float(p[d]);
+    } else {
+      const float* p = static_cast<const float*>(base) + at;
+      for (int d = 0; d < D; ++d) dst[d] = p[d];
+    }
+  }
+#ifdef APP_AVX512
+  float vload(int64_t slot, int64_t h, __m512* x, int D) const {
+    const int64_t at = (slot * heads + h) * row;
+    if (dtype == at::kBFloat16) {
+      const uint16_t* p = static_cast<const uint16_t*>(base) + at;
+      for (int v = 0; v < D / 16; ++v)
+        x[v] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * v))), 16));
+    } else if (dtype == at::kHalf) {
+      const uint16_t* p = static_cast<const uint16_t*>(base) + at;
+      for (int v = 0; v < D / 16; ++v) x[v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * v)));
+    } else {
+      const float* p = static_cast<const float*>(base) + at;
+      for (int v = 0; v < D / 16; ++v) x[v] = _mm512_loadu_ps(p + 16 * v);
+    }
+    return 1.0f;
+  }
+#endif
+};
+
+struct FP8Reader : InOrderRows {
+  const uint8_t* values;  // [slots, H, D]
+  const float* scale;     // [slots, H]
+  int64_t heads;
+  void load(int64_t slot, int64_t h, float* dst, int D) const {
+    const float* lut = tables().e4m3;
+    const int64_t r = slot * heads + h;
+    const uint8_t* p = values + r * D;
+    const float s = scale[r];
+    for (int d = 0; d < D; ++d) dst[d] = lut[p[d]] * s;
+  }
+#ifdef APP_AVX512
+  float vload(int64_t slot, int64_t h, __m512* x, int D) const {
+    const int64_t r = slot * heads + h;
+    const uint8_t* p = values + r * D;
+    for (int v = 0; v < D / 16; ++v) x[v] = e4m3x16_times_2m8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * v)));
+    return scale[r] * 256.0f;
+  }
+#endif
+};
+
+struct FP4Reader {
+  const uint8_t* codes;      // [slots, H, D/2]
+  const uint8_t* scales;     // [slots, H, D/G] e4m3
+  const uint8_t* scale_exp;  // [slots, H]
+  const uint16_t* out_vals;  // [slots, H, k] bf16
+  const uint8_t* out_idx;    // [slots, H, k]
+  int64_t heads;
+  int group;
+  int outliers;
+  int32_t lane_group[8 * 16];  // [run b][lane j]: (32b + 2j) / group, for the vector path
+  void set_lanes() {
+    for (int i = 0; i < 8 * 16; ++i) lane_group[i] = std::min(15, (32 * (i / 16) + 2 * (i % 16)) / group);
+  }
+  void load(int64_t slot, int64_t h, float* dst, int D) const {
+    const Tables& t = tables();
+    const int64_t r = slot * heads + h;
+    const uint8_t* c = codes + r * (D / 2);
+    const uint8_t* s = scales + r * (D / group);
+    const float second = pow2(int(scale_exp[r]) - 127);
+    for (int g = 0; g < D / group; ++g) {
+      const float sg = t.e4m3[s[g]] * second;
+      for (int i = 0; i < group / 2; ++i) {
+        const uint8_t b = c[g * group / 2 + i];
+        dst[g * group + 2 * i] = t.e2m1_pair[b][0] * sg;
+        dst[g * group + 2 * i + 1] = t.e2m1_pair[b][1] * sg;
+      }
+    }
+    for (int k = 0; k < outliers; ++k)
+      dst[out_idx[r * outliers + k]] += bf16_to_float(out_vals[r * outliers + k]);
+  }
+  // The vector path reads 16 code bytes (32 elements) at a time: lanes j hold elements 2j (low
+  // nibbles) and 2j + 1 (high nibbles), so each run of 32 elements is stored evens first.
+  static int pos(int e) { return 32 * (e / 32) + (e % 2) * 16 + (e % 32) / 2; }
+  bool vec_ok(int D) const { return D % 32 == 0 && D <= 256 && D / group <= 16 && outliers <= 16; }
+  int num_outliers() const { return outliers; }
+  void outlier(int64_t slot, int64_t h, int k, int& idx, float& val) const {
+    const int64_t r = (slot * heads + h) * outliers + k;
+    idx = out_idx[r];
+    val = bf16_to_float(out_vals[r]);
+  }
+#ifdef APP_AVX512
+  float vload(int64_t slot, int64_t h, __m512* x, int D) const {
+    const int64_t r = slot * heads + h;
+    const int ng = D / group;
+    const __m512 table = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f,
+                                        -4.f, -6.f);
+    // the group scales (x 2^-8), one per lane of a 16-float vector
+    const __m512 sv = e4m3x16_times_2m8(_mm_maskz_loadu_epi8(__mmask16((1u << ng) - 1), scales + r * ng));
+    const uint8_t* c = codes + r * (D / 2);
+    for (int b = 0; b < D / 32; ++b) {
+      // lane j of run b holds elements 32b + 2j and 32b + 2j + 1, both of group lane_group[b][j]
+      const __m512 lane_scale = _mm512_permutexvar_ps(_mm512_loadu_si512(lane_group + 16 * b), sv);
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * b)));
+      x[2 * b] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)), table), lane_scale);
+      x[2 * b + 1] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), lane_scale);
+    }
+    return pow2(int(scale_exp[r]) - 127 + 8);
+  }
+  // The outliers as vectors: lanes < num_outliers() hold pos(index) and the value.
+  __mmask16 voutliers(int64_t slot, int64_t h, __m512i& where, __m512& val) const {
+    const int64_t r = (slot * heads + h) * outliers;
+    const __mmask16 mask = __mmask16((1u << outliers) - 1);
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, out_idx + r));
+    // pos(e) = 32 (e / 32) + (e % 2) 16 + (e % 32) / 2
+    where = _mm512_add_epi32(
+        _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(idx, 5), 5),
+                         _mm512_slli_epi32(_mm512_and_si512(idx, _mm512_set1_epi32(1)), 4)),
+        _mm512_srli_epi32(_mm512_and_si512(idx, _mm512_set1_epi32(31)), 1));
+    val = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, out_vals + r)), 16));
+    return mask;
+  }
+#endif
+};
+
+void load_query(const at::Tensor& q, int64_t row, int64_t head0, int G, int D, float scale, float* dst) {
+  for (int g = 0; g < G; ++g) {
+    const int64_t at = (row * q.size(1) + head0 + g) * D;
+    if (q.scalar_type() == at::kBFloat16) {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(q.data_ptr()) + at;
+      for (int d = 0; d < D; ++d) dst[g * D + d] = bf16_to_float(p[d]) * scale;
+    } else if (q.scalar_type() == at::kHalf) {
+      const at::Half* p = q.data_ptr<at::Half>() + at;
+      for (int d = 0; d < D; ++d) dst[g * D + d] = float(p[d]) * scale;
+    } else {
+      const float* p = q.data_ptr<float>() + at;
+      for (int d = 0; d < D; ++d) dst[g * D + d] = p[d] * scale;
+    }
+  }
+}
+
+void store_out(at::Tensor& out, int64_t row, int64_t head0, int G, int D, const float* acc, const float* l) {
+  for (int g = 0; g < G; ++g) {
+    const int64_t at = (row * out.size(1) + head0 + g) * D;
+    const float inv = 1.0f / l[g];
+    if (out.scalar_type() == at::kBFloat16) {
+      at::BFloat16* p = out.data_ptr<at::BFloat16>() + at;
+      for (int d = 0; d < D; ++d) p[d] = at::BFloat16(acc[g * D + d] * inv);
+    } else if (out.scalar_type() == at::kHalf) {
+      at::Half* p = out.data_ptr<at::Half>() + at;
+      for (int d = 0; d < D; ++d) p[d] = at::Half(acc[g * D + d] * inv);
+    } else {
+      float* p = out.data_ptr<float>() + at;
+      for (int d = 0; d < D; ++d) p[d] = acc[g * D + d] * inv;
+    }
+  }
+}
+
+// Block tables, int32 or int64 [num_seqs, max_blocks] (any row stride), read without tensor calls.
+struct BlockTable {
+  const int32_t* t32;
+  const int64_t* t64;
+  int64_t stride;
+  explicit BlockTable(const at::Tensor& t)
+      : t32(t.scalar_type() == at::kInt ? t.data_ptr<int32_t>() : nullptr),
+        t64(t.scalar_type() == at::kInt ? nullptr : t.data_ptr<int64_t>()), stride(t.stride(0)) {
+    TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "block tables: int32 or int64");
+    TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, "block tables: [num_seqs, max_blocks], rows contiguous");
+  }
+  int64_t operator()(int64_t i, int64_t j) const { return t32 ? t32[i * stride + j] : t64[i * stride + j]; }
+};
+
+// One (sequence, KV head): its G query heads attend to its seq_len tokens.
+template <typename KR, typename VR>
+void decode_one(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out, const BlockTable& tables,
+                int64_t seq, int64_t row, int64_t seq_len, int64_t kv_head, int G, int D, int block_size,
+                float scale, std::vector<float>& buf) {
+  float* qv = buf.data();            // [G, D]
+  float* acc = qv + G * D;           // [G, D]
+  float* kt = acc + G * D;           // [D, TILE]: K of the tile, transposed
+  float* vt = kt + D * TILE;         // [TILE, D]
+  float* s = vt + TILE * D;          // [G, TILE]
+  float* m = s + G * TILE;           // [G]
+  float* l = m + G;                  // [G]
+  float* krow = l + G;               // [D]
+  load_query(q, row, kv_head * G, G, D, scale, qv);
+  std::fill(acc, acc + G * D, 0.0f);
+  std::fill(m, m + G, -1e30f);
+  std::fill(l, l + G, 0.0f);
+  for (int64_t t0 = 0; t0 < seq_len; t0 += TILE) {
+    const int n = int(std::min<int64_t>(TILE, seq_len - t0));
+    for (int t = 0; t < n; ++t) {
+      const int64_t pos = t0 + t;
+      const int64_t slot = tables(seq, pos / block_size) * block_size + pos % block_size;
+      kr.load(slot, kv_head, krow, D);
+      for (int d = 0; d < D; ++d) kt[d * TILE + t] = krow[d];
+      vr.load(slot, kv_head, vt + t * D, D);
+    }
+    for (int t = n; t < TILE; ++t)
+      for (int d = 0; d < D; ++d) kt[d * TILE + t] = 0.0f;
+    for (int g = 0; g < G; ++g) {
+      float* sg = s + g * TILE;
+      for (int t = 0; t < TILE; ++t) sg[t] = 0.0f;
+      for (int d = 0; d < D; ++d) {
+        const float qd = qv[g * D + d];
+        const float* kd = kt + d * TILE;
+#pragma omp simd
+        for (int t = 0; t < TILE; ++t) sg[t] += qd * kd[t];
+      }
+      const float corr = softmax_tile(sg, n, m[g], l[g]);
+      float* ag = acc + g * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) ag[d] *= corr;
+      for (int t = 0; t < n; ++t) {
+        const float p = sg[t];
+        const float* vrow = vt + t * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) ag[d] += p * vrow[d];
+      }
+    }
+  }
+  store_out(out, row, kv_head * G, G, D, acc, l);
+}
+
+#ifdef APP_AVX512
+// The same as decode_one with AVX-512 rows: each token's K and V come in as D/16 vectors (codes
+// mapped to values by a permute, the group scales one multiply per 16 values), the score is one
+// FMA per vector and a horizontal add, P x V one FMA per vector; q and the accumulator live in
+// the readers' element order (pos()), the output is put back in order at the end.
+template <typename KR, typename VR>
+void decode_one_vec(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out, const BlockTable& tables,
+                    int64_t seq, int64_t row, int64_t seq_len, int64_t kv_head, int G, int D, int block_size,
+                    float scale, std::vector<float>& buf) {
+  const int nv = D / 16;
+  float* qn = buf.data();      // [G, D] natural order
+  float* qp = qn + G * D;      // [G, D] in K's order
+  float* acc = qp + G * D;     // [G, D] in V's order
+  float* s = acc + G * D;      // [G, TILE]
+  float* m = s + G * TILE;     // [G]
+  float* l = m + G;            // [G]
+  load_query(q, row, kv_head * G, G, D, scale, qn);
+  for (int g = 0; g < G; ++g)
+    for (int e = 0; e < D; ++e) qp[g * D + KR::pos(e)] = qn[g * D + e];
+  std::fill(acc, acc + G * D, 0.0f);
+  std::fill(m, m + G, -1e30f);
+  std::fill(l, l + G, 0.0f);
+  const int ko = kr.num_outliers(), vo = vr.num_outliers();
+  __m512 x[16];
+  int64_t slots[TILE];
+  for (int64_t t0 = 0; t0 < seq_len; t0 += TILE) {
+    const int n = int(std::min<int64_t>(TILE, seq_len - t0));
+    for (int t = 0; t < n; ++t) {
+      const int64_t p = t0 + t;
+      slots[t] = tables(seq, p / block_size) * block_size + p % block_size;
+      const float f = kr.vload(slots[t], kv_head, x, D);
+      __m512i opos = _mm512_setzero_si512();
+      __m512 oval = _mm512_setzero_ps();
+      const __mmask16 omask = ko ? kr.voutliers(slots[t], kv_head, opos, oval) : __mmask16(0);
+      for (int g = 0; g < G; ++g) {
+        const float* qg = qp + g * D;
+        __m512 a = _mm512_mul_ps(x[0], _mm512_loadu_ps(qg));
+        for (int v = 1; v < nv; ++v) a = _mm512_fmadd_ps(x[v], _mm512_loadu_ps(qg + 16 * v), a);
+        a = _mm512_mul_ps(a, _mm512_set1_ps(f));
+        if (ko) {  // q at the outliers' positions times their values, in the same sum
+          a = _mm512_fmadd_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), omask, opos, qg, 4), oval, a);
+        }
+        s[g * TILE + t] = _mm512_reduce_add_ps(a);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float* sg = s + g * TILE;
+      const float corr = softmax_tile(sg, n, m[g], l[g]);
+      if (corr != 1.0f) {
+        const __m512 c = _mm512_set1_ps(corr);
+        for (int v = 0; v < nv; ++v) _mm512_storeu_ps(acc + g * D + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * v), c));
+      }
+    }
+    for (int t = 0; t < n; ++t) {
+      const float f = vr.vload(slots[t], kv_head, x, D);
+      for (int g = 0; g < G; ++g) {
+        float* ag = acc + g * D;
+        const float p = s[g * TILE + t];
+        const __m512 pf = _mm512_set1_ps(p * f);
+        for (int v = 0; v < nv; ++v) _mm512_storeu_ps(ag + 16 * v, _mm512_fmadd_ps(pf, x[v], _mm512_loadu_ps(ag + 16 * v)));
+        for (int k = 0; k < vo; ++k) {
+          int idx;
+          float val;
+          vr.outlier(slots[t], kv_head, k, idx, val);
+          ag[VR::pos(idx)] += p * val;
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int e = 0; e < D; ++e) qn[g * D + e] = acc[g * D + VR::pos(e)];  // back in order (qn is free now)
+  store_out(out, row, kv_head * G, G, D, qn, l);
+}
+#endif
+
+template <typename KR, typename VR>
+void decode_all(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out, const BlockTable& tables,
+                const at::Tensor& seq_lens, const at::Tensor& rows, int64_t kv_heads, int block_size, double scale) {
+  const int64_t num_seqs = seq_lens.size(0);
+  const int D = int(q.size(2));
+  const int G = int(q.size(1) / kv_heads);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+#ifdef APP_AVX512
+  const bool vec = kr.vec_ok(D) && vr.vec_ok(D);
+#else
+  const bool vec = false;
+#endif
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(3 * G * D + 2 * D * TILE + G * TILE + 2 * G + D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t seq = i / kv_heads, h = i % kv_heads;
+      if (row[seq] < 0) continue;  // not a decode
+#ifdef APP_AVX512
+      if (vec) {
+        decode_one_vec(kr, vr, q, out, tables, seq, row[seq], lens[seq], h, G, D, block_size, float(scale), buf);
+        continue;
+      }
+#endif
+      decode_one(kr, vr, q, out, tables, seq, row[seq], lens[seq], h, G, D, block_size, float(scale), buf);
+    }
+  });
+  (void)vec;
+}
+
+template <typename R>
+void gather_all(const R& r, at::Tensor& out, const at::Tensor& block_ids, int64_t heads, int block_size) {
+  const int D = int(out.size(2));
+  const int64_t n = block_ids.size(0) * block_size;
+  const int64_t* ids = block_ids.data_ptr<int64_t>();
+  const at::ScalarType dt = out.scalar_type();
+  at::parallel_for(0, n * heads, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t tok = i / heads, h = i % heads;
+      const int64_t slot = ids[tok / block_size] * block_size + tok % block_size;
+      r.load(slot, h, row.data(), D);
+      if (dt == at::kBFloat16) {
+        at::BFloat16* p = out.data_ptr<at::BFloat16>() + i * D;
+        for (int d = 0; d < D; ++d) p[d] = at::BFloat16(row[d]);
+      } else if (dt == at::kHalf) {
+        at::Half* p = out.data_ptr<at::Half>() + i * D;
+        for (int d = 0; d < D; ++d) p[d] = at::Half(row[d]);
+      } else {
+        std::memcpy(out.data_ptr<float>() + i * D, row.data(), D * sizeof(float));
+      }
+    }
+  });
+}
+
+// Pages of one layer's K or V, as passed from Python: kind 0 dense [t], 1 fp8 [values, scale],
+// 2 fp4 [codes, scales, scale_exp, out_vals, out_idx].
+struct Pages {
+  int kind;
+  std::vector<at::Tensor> t;
+  int64_t heads, block_size, head_dim;
+  int group;
+};
+
+Pages make_pages(int64_t kind, std::vector<at::Tensor> t, int64_t group) {
+  for (auto& x : t) TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "pages must be contiguous CPU tensors");
+  Pages p{int(kind), t, t[0].size(2), t[0].size(1), 0, int(group)};
+  p.head_dim = kind == 2 ? 2 * t[0].size(3) : t[0].size(3);
+  if (kind == 0) TORCH_CHECK(t.size() == 1, "dense pages: one tensor");
+  if (kind == 1) TORCH_CHECK(t.size() == 2 && t[0].scalar_type() == at::kFloat8_e4m3fn && t[1].scalar_type() == at::kFloat,
+                             "fp8 pages: (e4m3 values, float32 scale)");
+  if (kind == 2) {
+    TORCH_CHECK(t.size() == 5, "fp4 pages: codes, scales, scale_exp, out_vals, out_idx");
+    TORCH_CHECK(group > 0 && p.head_dim % group == 0 && t[1].size(3) == p.head_dim / group, "fp4 group");
+  }
+  return p;
+}
+
+template <typename F>
+void with_reader(const Pages& p, F&& f) {
+  if (p.kind == 0) {
+    f(DenseReader{{}, p.t[0].data_ptr(), p.t[0].scalar_type(), p.head_dim, p.heads});
+  } else if (p.kind == 1) {
+    f(FP8Reader{{}, reinterpret_cast<const uint8_t*>(p.t[0].data_ptr()), p.t[1].data_ptr<float>(), p.heads});
+  } else {
+    FP4Reader r{p.t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint8_t*>(p.t[1].data_ptr()),
+                p.t[2].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(p.t[3].data_ptr()),
+                p.t[4].data_ptr<uint8_t>(), p.heads, p.group, int(p.t[3].size(3)), {}};
+    r.set_lanes();
+    f(r);
+  }
+}
+
+
+// E2M1 code of a (scaled) value and its magnitude: nearest, ties to even, saturating at 6, as
+// fp4.e2m1_encode (a midpoint goes up where the even neighbour is the upper one: 0.75, 1.75, 3.5).
+// Branch-free, so the loops over a group vectorize.
+inline int e2m1_magnitude_code(float a) {
+  return int(a > 0.25f) + int(a >= 0.75f) + int(a > 1.25f) + int(a >= 1.75f) + int(a > 2.5f) + int(a >= 3.5f) +
+         int(a > 5.0f);
+}
+inline float e2m1_magnitude(float a) {
+  return 0.5f * (float(a > 0.25f) + float(a >= 0.75f) + float(a > 1.25f) + float(a >= 1.75f)) +
+         float(a > 2.5f) + float(a >= 3.5f) + 2.0f * float(a > 5.0f);
+}
+
+// ceil(log2(v)) for v > 0, exactly (frexp: v = m 2^e, m in [0.5, 1)).
+inline int ceil_log2(float v) {
+  int e;
+  const float m = std::frexp(v, &e);
+  return m == 0.5f ? e - 1 : e;
+}
+
+// One vector x[D] (float, modified) -> its fp4 record at row r of the pages (fp4.fp4_quantize).
+void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vector<float>& targets, int64_t r,
+                      uint8_t* codes, uint8_t* scales, uint8_t* scale_exp, at::BFloat16* out_vals, uint8_t* out_idx) {
+  // Outliers: the `outliers` largest magnitudes (> 0; the lower index first among equals), kept in
+  // bf16 and taken out of x; unused slots hold value 0 at index 0.
+  bool taken[256] = {};
+  for (int k = 0; k < outliers; ++k) {
+    int best = -1;
+    float bm = 0.0f;
+    for (int d = 0; d < D; ++d) {
+      const float a = std::fabs(x[d]);
+      if (a > bm && !taken[d]) {
+        bm = a;
+        best = d;
+      }
+    }
+    if (best >= 0) taken[best] = true;
+    out_vals[r * outliers + k] = at::BFloat16(best < 0 ? 0.0f : x[best]);
+    out_idx[r * outliers + k] = uint8_t(best < 0 ? 0 : best);
+  }
+  for (int k = 0; k < outliers; ++k) x[out_idx[r * outliers + k]] -= float(out_vals[r * outliers + k]);
+  const int ng = D / group;
+  float top = 0.0f;
+  float amax[512];
+  for (int g = 0; g < ng; ++g) {
+    float m = 0.0f;
+    for (int i = 0; i < group; ++i) m = std::max(m, std::fabs(x[g * group + i]));
+    amax[g] = m;
+    top = std::max(top, m);
+  }
+  top /= *std::min_element(targets.begin(), targets.end());
+  const int e = top > 0 ? std::min(127, std::max(-126, ceil_log2(top / 448.0f))) : -127;
+  scale_exp[r] = uint8_t(e + 127);
+  const float second = std::ldexp(1.0f, e);
+  for (int d = 0; d < D; ++d) x[d] /= second;  // units of the second-level scale (exact)
+  for (int g = 0; g < ng; ++g) {
+    const float* xg = x + g * group;
+    const float amax_n = amax[g] / second;
+    float best_err = INFINITY, best_safe = 1.0f;
+    uint8_t best_scale = 0;
+    for (size_t c = 0; c < targets.size(); ++c) {
+      const c10::Float8_e4m3fn sc(std::max(amax_n / targets[c], 0.015625f));
+      const float dec = float(sc);
+      const float safe = dec > 0 ? dec : 1.0f;
+      float err = 0.0f;
+#pragma omp simd reduction(+ : err)
+      for (int i = 0; i < group; ++i) {
+        const float v = xg[i] / safe;
+        const float q = e2m1_magnitude(std::fabs(v));
+        const float diff = (v < 0 ? -q : q) * safe - xg[i];
+        err += diff * diff;
+      }
+      if (c == 0 || err < best_err) {
+        best_err = err;
+        best_safe = safe;
+        best_scale = sc.x;
+      }
+    }
+    scales[r * ng + g] = best_scale;
+    uint8_t* out = codes + r * (D / 2) + g * group / 2;
+    for (int i = 0; i < group / 2; ++i) {
+      const float v0 = xg[2 * i] / best_safe, v1 = xg[2 * i + 1] / best_safe;
+      const int c0 = e2m1_magnitude_code(std::fabs(v0)), c1 = e2m1_magnitude_code(std::fabs(v1));
+      out[i] = uint8_t(((v0 < 0 && c0 > 0) ? c0 | 8 : c0) | (((v1 < 0 && c1 > 0) ? c1 | 8 : c1) << 4));
+    }
+  }
+}
+}  // namespace
+
+// out, q: [T, num_heads, D]; rows[i]: the query row of sequence i (< 0: skip it); block_tables [S, max_blocks]
+// int32/int64; seq_lens [S] int64 (tokens attended, the new one included).
+void decode(at::Tensor out, at::Tensor q, int64_t k_kind, std::vector<at::Tensor> k, int64_t k_group,
+            int64_t v_kind, std::vector<at::Tensor> v, int64_t v_group, at::Tensor block_tables,
+            at::Tensor seq_lens, at::Tensor rows, double scale) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && q.dim() == 3, "q/out: contiguous [T, H, D]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && rows.scalar_type() == at::kLong, "seq_lens/rows: int64");
+  const Pages kp = make_pages(k_kind, k, k_group), vp = make_pages(v_kind, v, v_group);
+  TORCH_CHECK(kp.head_dim == q.size(2) && vp.head_dim == q.size(2) && q.size(1) % kp.heads == 0, "head shapes");
+  TORCH_CHECK(seq_lens.size(0) == rows.size(0) && seq_lens.size(0) <= block_tables.size(0), "one row per sequence");
+  for (int64_t i = 0; i < seq_lens.size(0); ++i)
+    TORCH_CHECK(seq_lens.data_ptr<int64_t>()[i] <= block_tables.size(1) * kp.block_size, "seq_len beyond its block table");
+  with_reader(kp, [&](const auto& kr) {
+    with_reader(vp, [&](const auto& vr) {
+      decode_all(kr, vr, q, out, BlockTable(block_tables), seq_lens, rows, kp.heads, int(kp.block_size), scale);
+    });
+  });
+}
+
+// out [len(block_ids) * block_size, H, D] (any float dtype) <- the blocks, dequantized.
+void gather(at::Tensor out, int64_t kind, std::vector<at::Tensor> pages, int64_t group, at::Tensor block_ids) {
+  const Pages p = make_pages(kind, pages, group);
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == block_ids.size(0) * p.block_size && out.size(1) == p.heads &&
+              out.size(2) == p.head_dim, "gather: out shape");
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.is_contiguous(), "block_ids: int64");
+  const int64_t num_blocks = pages[0].size(0);
+  for (int64_t i = 0; i < block_ids.size(0); ++i) {
+    const int64_t b = block_ids.data_ptr<int64_t>()[i];
+    TORCH_CHECK(b >= 0 && b < num_blocks, "block id out of range");
+  }
+  with_reader(p, [&](const auto& r) { gather_all(r, out, block_ids, p.heads, int(p.block_size)); });
+}
+
+// x [N, H, D] float32 (finite), slots [N] int64 >= 0: quantize each vector and write it to its slot.
+void store_fp4(at::Tensor x, at::Tensor slots, std::vector<at::Tensor> pages, int64_t group,
+               std::vector<double> targets_d) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3, "x: contiguous float32 [N, H, D]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: int64");
+  const Pages p = make_pages(2, pages, group);
+  const int D = int(x.size(2)), outliers = int(pages[3].size(3));
+  const int64_t H = x.size(1), n = x.size(0);
+  TORCH_CHECK(H == p.heads && D == p.head_dim && D / group <= 512, "store_fp4: head shapes");
+  const std::vector<float> targets(targets_d.begin(), targets_d.end());
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  at::parallel_for(0, n * H, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(D);
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(row.data(), x.data_ptr<float>() + i * D, D * sizeof(float));
+      const int64_t r = sl[i / H] * H + i % H;
+      fp4_quantize_row(row.data(), D, int(group), outliers, targets, r, pages[0].data_ptr<uint8_t>(),
+                       reinterpret_cast<uint8_t*>(pages[1].data_ptr()), pages[2].data_ptr<uint8_t>(),
+                       pages[3].data_ptr<at::BFloat16>(), pages[4].data_ptr<uint8_t>());
+    }
+  });
+}
+
+// x [N, H, D] float32 (finite) -> e4m3 values and a float32 scale per vector (amax maps to 448).
+void store_fp8(at::Tensor x, at::Tensor slots, at::Tensor values, at::Tensor scale) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3, "x: contiguous float32 [N, H, D]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && values.is_contiguous() && scale.is_contiguous(), "store_fp8 args");
+  const int D = int(x.size(2));
+  const int64_t H = x.size(1), n = x.size(0);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  at::parallel_for(0, n * H, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* v = x.data_ptr<float>() + i * D;
+      float amax = 0.0f;
+      for (int d = 0; d < D; ++d) amax = std::max(amax, std::fabs(v[d]));
+      float s = amax / 448.0f;
+      if (!(s > 0)) s = 1.0f;
+      const int64_t r = sl[i / H] * H + i % H;
+      scale.data_ptr<float>()[r] = s;
+      c10::Float8_e4m3fn* out = values.data_ptr<c10::Float8_e4m3fn>() + r * D;
+      for (int d = 0; d < D; ++d) out[d] = c10::Float8_e4m3fn(v[d] / s);
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode", &decode, "paged decode attention over dense / fp8 / fp4 pages");
+  m.def("gather", &gather, "dequantize paged blocks into a contiguous tensor");
+  m.def("store_fp4", &store_fp4, "quantize vectors to fp4 and write them to their slots");
+  m.def("store_fp8", &store_fp8, "quantize vectors to fp8 (a scale per vector) and write them to their slots");
+}

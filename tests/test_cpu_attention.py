@@ -1,0 +1,123 @@
+"""The CPU extension of the paged KV cache (app/kernels/cpu_attention.py) against the torch reference.
+
+The same steps go through two caches of each format, one on the extension (what the CPU runs by
+default), one with `use_cpu_kernels = False` (the torch reference): a ragged prefill, a step of
+decodes, a mixed step and a long chunk over earlier context. Stored pages are equal bit for bit;
+attention over the same pages agrees to the rounding of the compute dtype (the extension's decode
+reads exact page values in float32; its prefill attends in the compute dtype, as the GPU does).
+"""
+
+import pytest
+import torch
+
+from app.engine.attention import AttentionMetadata
+from app.engine.kv_cache import KVCacheSpec, create_kv_cache
+from app.kernels import cpu_attention
+from app.kernels.fp4 import FP4Format
+from kernels_testing import DEFAULT_FP4, FORMATS, keys_like_llama, paged_step, rel_err
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason=f"no CPU extension: {cpu_attention.problem()}")
+
+CASES = {
+    **{name: kv for name, kv in FORMATS.items() if name != "fp4-zscore"},
+    "fp16": ("fp16", (None, None)),
+    "fp32": ("fp32", (None, None)),
+    "fp4-rotated": ("fp4", tuple(FP4Format(group_size=f.group_size, outliers=f.outliers, rotate=True,
+                                           scale_targets=f.scale_targets) for f in DEFAULT_FP4)),
+    "fp4-g16-8-outliers": ("fp4", (FP4Format(group_size=16, outliers=8, scale_targets=(6.0, 4.0)),
+                                   FP4Format(group_size=16, outliers=2))),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("head_dim,block_size,num_heads,dtype", [
+    (64, 16, 8, torch.bfloat16),  # GQA 4, the default block size
+    (128, 4, 2, torch.bfloat16),  # MHA, small blocks: a tile spans several blocks
+    (8, 16, 8, torch.float32),  # stories260K's shape (head_dim 8, float32 compute)
+], ids=["d64-bs16-gqa4", "d128-bs4-mha", "d8-fp32"])
+def test_cpu_extension_matches_the_torch_reference(name, head_dim, block_size, num_heads, dtype):
+    kv, formats = CASES[name]
+    if formats[0] is not None and formats[0].rotate and head_dim & (head_dim - 1):
+        pytest.skip("rotation needs a power-of-two head_dim")
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=head_dim, block_size=block_size, compute_dtype=dtype)
+    ext, ref = (create_kv_cache(kv, spec, 64, "cpu", formats) for _ in range(2))
+    assert ext.cpu_kernels_enabled()
+    ref.use_cpu_kernels = False
+    gen = torch.Generator().manual_seed(0)
+    per_seq = 80 // block_size  # blocks per sequence: up to 80 tokens
+    tables = [list(range(i * per_seq, (i + 1) * per_seq))[::-1] for i in range(3)]  # scattered, reversed
+    computed = [0, 0, 0]
+    # ragged prefill, decodes, mixed, a long chunk over earlier context beside a decode
+    for new in ([20, 5, 33], [1, 1, 1], [7, 1, 1], [1, 40, 1]):
+        meta, q, k, v = paged_step(tables, computed, new, spec, num_heads, gen)
+        ext.store(1, k, v, meta.slot_mapping)
+        ref.store(1, k, v, meta.slot_mapping)
+        for got, want in zip(ext.layer_pages(1), ref.layer_pages(1)):
+            for g, w in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want))):
+                assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), "stored pages differ"
+        scale = head_dim ** -0.5
+        got = ext.attention(1, q, meta, scale).float()
+        want = ref.attention(1, q, meta, scale).float()
+        decode_rows = [meta.query_start_loc[i] for i, n in enumerate(new) if n == 1]
+        # decodes: float32 throughout, as the reference; prefill chunks: the compute dtype's rounding
+        if decode_rows:
+            assert rel_err(got[decode_rows], want[decode_rows]) < 1e-5 * (1 if dtype == torch.float32 else 300)
+        assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+        computed = [c + n for c, n in zip(computed, new)]
+
+
+def test_long_context_decode_and_shared_blocks():
+    """Decodes of 1,000+ tokens where sequences share their first blocks (a prefix-cache hit)."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, compute_dtype=torch.bfloat16)
+    ext, ref = (create_kv_cache("fp4", spec, 200, "cpu") for _ in range(2))
+    ref.use_cpu_kernels = False
+    gen = torch.Generator().manual_seed(1)
+    n = 1300
+    k = keys_like_llama(n, 2, 64, gen=gen).bfloat16()
+    v = torch.randn(n, 2, 64, generator=gen).bfloat16()
+    for cache in (ext, ref):
+        cache.store(0, k, v, torch.arange(n))
+    shared = list(range(60))  # 960 tokens
+    tables = [shared + list(range(100 + 20 * i, 100 + 20 * i + 22)) for i in range(3)]
+    tables[2] = list(range(81))  # contiguous, no sharing
+    seq_lens = [1200, 1290, 1296]
+    meta = AttentionMetadata(slot_mapping=torch.full((3,), -1), block_tables=torch.tensor(tables, dtype=torch.int64)
+                             if len({len(t) for t in tables}) == 1 else
+                             torch.tensor([t + [0] * (82 - len(t)) for t in tables]),
+                             seq_lens=seq_lens, query_start_loc=[0, 1, 2, 3])
+    q = torch.randn(3, 8, 64, generator=gen).bfloat16()
+    got, want = ext.attention(0, q, meta, 0.125).float(), ref.attention(0, q, meta, 0.125).float()
+    assert rel_err(got, want) < 3e-3  # bf16 output rounding
+
+
+def test_store_refuses_non_finite_and_writes_nothing():
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, compute_dtype=torch.bfloat16)
+    for kv in ("fp4", "fp8"):
+        cache = create_kv_cache(kv, spec, 4, "cpu")
+        before = [t.clone() for t in cache.pages[0]]
+        k = torch.randn(3, 1, 64).bfloat16()
+        v = k.clone()
+        v[2, 0, 5] = float("nan")
+        with pytest.raises(ValueError, match="non-finite"):
+            cache.store(0, k, v, torch.arange(3))
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, cache.pages[0]))
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp4"])
+def test_stories260k_tokens_equal_the_torch_reference(stories_paths, kv):
+    """The engine on the extension gives the torch reference path's greedy tokens, token for token
+    (float32 compute; chunked prefill with a prefix-cache hit and a batch of decodes)."""
+    from app import LLM, SamplingParams
+    from test_engine import PROMPTS
+
+    model, tok = stories_paths
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for use_ext in (True, False):
+        llm = LLM(model=model, tokenizer=tok, dtype="float32", kv_cache_dtype=kv, block_size=4,
+                  max_num_batched_tokens=32)
+        cache = llm.engine.executor.runner.kv_cache
+        cache.use_cpu_kernels = use_ext
+        assert cache.cpu_kernels_enabled() == use_ext
+        outs.append([o.token_ids for o in llm.generate(PROMPTS + PROMPTS[-1:], params)])
+    assert outs[0] == outs[1]
