@@ -6,7 +6,7 @@ block pool hands out ids without knowing the format. `create_kv_cache` picks the
 `kv_cache_dtype` name; `kv_bytes_per_token` gives the exact bytes each format allocates.
 
 `attention` runs the Triton kernels (app/kernels/) on CUDA, the CPU extension
-(app/kernels/cpu_attention.py) on the CPU where it builds, and the torch reference path otherwise;
+(app/kernels/cpu_kernels.py) on the CPU where it builds, and the torch reference path otherwise;
 `store` runs the Triton kernels on CUDA and torch elsewhere. `KVCache.kernels_enabled` and
 `KVCache.cpu_kernels_enabled` are the places that choose.
 """
@@ -58,12 +58,12 @@ class KVCache(ABC):
         return self.use_kernels
 
     def cpu_kernels_enabled(self) -> bool:
-        """The CPU extension's attention on CPU caches where it builds (app/kernels/cpu_attention.py);
+        """The CPU extension's attention on CPU caches where it builds (app/kernels/cpu_kernels.py);
         setting `use_cpu_kernels` overrides it (False: the torch reference)."""
         if self.use_cpu_kernels is None:
-            from app.kernels import cpu_attention
+            from app.kernels import cpu_kernels
 
-            self.use_cpu_kernels = self.device.type == "cpu" and cpu_attention.available()
+            self.use_cpu_kernels = self.device.type == "cpu" and cpu_kernels.available()
         return self.use_cpu_kernels
 
     def kernel_problem(self) -> str | None:
@@ -102,12 +102,26 @@ class KVCache(ABC):
             return
         keep = slot_mapping >= 0
         if nonfinite is not None:
-            finite = torch.isfinite(key).flatten(1).all(1) & torch.isfinite(value).flatten(1).all(1)
+            finite = ~self._nonfinite(key, value)
             nonfinite[: len(finite)] |= (~finite).to(nonfinite.dtype)
             keep &= finite
         if not bool(keep.all()):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
         self._store_ref(layer, key, value, slot_mapping.long())
+
+    def _nonfinite(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """[N] bool: tokens whose K or V holds NaN/Inf."""
+        if self.cpu_kernels_enabled():
+            from app.kernels import cpu_kernels
+
+            return cpu_kernels.nonfinite_tokens(key, value)
+        return ~(torch.isfinite(key).flatten(1).all(1) & torch.isfinite(value).flatten(1).all(1))
+
+    def _refuse_nonfinite(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """ValueError naming the first token whose K or V holds NaN/Inf (before anything is written)."""
+        bad = self._nonfinite(key, value).nonzero()
+        if len(bad):
+            raise ValueError(f"non-finite value in K/V of token {bad[0].item()}: refusing to store it in the KV cache")
 
     @abstractmethod
     def _store_ref(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -151,7 +165,7 @@ class KVCache(ABC):
     def _attend_cpu(self, layer, query, meta, scale) -> torch.Tensor:
         """The CPU extension: decodes in one fused call, each prefill chunk over its blocks gathered
         once (dequantized into the compute dtype) by torch's flash-attention kernel."""
-        from app.kernels import cpu_attention
+        from app.kernels import cpu_kernels
 
         out = torch.empty_like(query)
         k_pages, v_pages = self.layer_pages(layer)
@@ -161,16 +175,16 @@ class KVCache(ABC):
         seq_lens, qsl = seq_lens_t.tolist(), meta.query_start_loc_tensor.tolist()
         rows = [qsl[i] if qsl[i + 1] - qsl[i] == 1 else -1 for i in range(len(seq_lens))]
         if any(r >= 0 for r in rows):
-            cpu_attention.decode(query, k_pages, v_pages, self.kernel_formats, meta.block_tables, seq_lens_t,
+            cpu_kernels.decode(query, k_pages, v_pages, self.kernel_formats, meta.block_tables, seq_lens_t,
                                  torch.tensor(rows), scale, out)
         for i, seq_len in enumerate(seq_lens):
             start, end = qsl[i], qsl[i + 1]
             if end - start <= 1:
                 continue  # a decode (done above) or nothing
             block_ids = meta.block_tables[i, : cdiv(seq_len, bs)]
-            k = cpu_attention.gather(k_pages, k_fmt, block_ids, query.dtype)[:seq_len]
-            v = cpu_attention.gather(v_pages, v_fmt, block_ids, query.dtype)[:seq_len]
-            out[start:end] = cpu_attention.prefill(query[start:end], k, v, scale)
+            k = cpu_kernels.gather(k_pages, k_fmt, block_ids, query.dtype)[:seq_len]
+            v = cpu_kernels.gather(v_pages, v_fmt, block_ids, query.dtype)[:seq_len]
+            out[start:end] = cpu_kernels.prefill(query[start:end], k, v, scale)
         return out
 
     def _attend(self, layer, query, meta, scale, read_blocks) -> torch.Tensor:
@@ -273,11 +287,11 @@ class FP8KVCache(KVCache):
 
     def _store_ref(self, layer, key, value, slot_mapping) -> None:
         if self.cpu_kernels_enabled():
-            from app.kernels import cpu_attention
+            from app.kernels import cpu_kernels
 
-            fp4.check_finite(key), fp4.check_finite(value)  # both checked before any write
+            self._refuse_nonfinite(key, value)  # both checked before any write
             for i, x in enumerate((key, value)):
-                cpu_attention.store_fp8(x, slot_mapping, *self.pages[2 * layer + i])
+                cpu_kernels.store_fp8(x, slot_mapping, *self.pages[2 * layer + i])
             return
         quantized = [fp4.fp8_quantize(key), fp4.fp8_quantize(value)]  # both checked before any write
         for i, (values, scale) in enumerate(quantized):
@@ -346,13 +360,13 @@ class FP4KVCache(KVCache):
 
     def _store_ref(self, layer, key, value, slot_mapping) -> None:
         if self.cpu_kernels_enabled() and all(f.outlier_mode == "topk" for f in self.formats):
-            from app.kernels import cpu_attention
+            from app.kernels import cpu_kernels
 
-            fp4.check_finite(key), fp4.check_finite(value)  # both checked before any write
+            self._refuse_nonfinite(key, value)  # both checked before any write
             for i, (x, fmt) in enumerate(zip((key, value), self.formats)):
                 if self.rotation is not None:
                     x = x.float() @ self.rotation
-                cpu_attention.store_fp4(x, slot_mapping, self.pages[2 * layer + i], fmt)
+                cpu_kernels.store_fp4(x, slot_mapping, self.pages[2 * layer + i], fmt)
             return
         quantized = [fp4.fp4_quantize(x, fmt, self.rotation) for x, fmt in zip((key, value), self.formats)]
         for i, q in enumerate(quantized):  # both checked (NaN/Inf) before any write

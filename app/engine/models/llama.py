@@ -25,6 +25,7 @@ from torch import nn
 
 from app.engine.attention import AttentionMetadata
 from app.engine.kv_cache import KVCache
+from app.kernels import cpu_kernels
 from app.kernels.layer_ops_ref import apply_rope, rms_norm_ref, rope_qk_ref, silu_and_mul_ref  # noqa: F401 (apply_rope: re-exported)
 
 ROPE_TYPES = ("llama3", "linear")
@@ -197,6 +198,12 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     return emb.cos(), emb.sin()
 
 
+def _cpu_ops(x: torch.Tensor) -> bool:
+    """The CPU extension's fused layer ops (app/kernels/cpu_kernels.py) for CPU tensors where it
+    builds (APP_CPU_KERNELS=0 turns it off), the torch references otherwise."""
+    return x.device.type == "cpu" and cpu_kernels.available()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -210,6 +217,8 @@ class RMSNorm(nn.Module):
             from app.kernels.layer_ops import rms_norm
 
             y, h = rms_norm(x, self.weight, self.eps, residual)
+        elif _cpu_ops(x):
+            y, h = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
         else:
             y, h = rms_norm_ref(x, self.weight, self.eps, residual)
         return y if residual is None else (y, h)
@@ -252,6 +261,8 @@ class LlamaAttention(nn.Module):
             from app.kernels.layer_ops import rope_qk
 
             q, k = rope_qk(qkv, cos, sin, H, K)  # [T, H, D], [T, K, D]
+        elif _cpu_ops(qkv):
+            q, k = cpu_kernels.rope_qk(qkv, cos, sin, H, K)
         else:
             q, k = rope_qk_ref(qkv, cos, sin, H, K)
         v = qkv[:, (H + K) * D:].view(T, K, D)  # [T, K, D], rows strided
@@ -285,6 +296,8 @@ class LlamaMLP(nn.Module):
             from app.kernels.layer_ops import silu_and_mul
 
             act = silu_and_mul(gate_up)
+        elif _cpu_ops(gate_up):
+            act = cpu_kernels.silu_and_mul(gate_up)
         else:
             act = silu_and_mul_ref(gate_up)
         return all_reduce(self.down_proj(act), self.tp_size)

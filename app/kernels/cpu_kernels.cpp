@@ -1,6 +1,7 @@
-// Paged attention on the CPU: dense, fp8 and fp4 pages read and dequantized inside the loop.
+// The CPU path's kernels: paged attention over dense, fp8 and fp4 pages read and dequantized inside
+// the loop, the K/V stores, and the Llama layer's elementwise ops fused one pass each.
 //
-// Built on first use by app/kernels/cpu_attention.py (torch.utils.cpp_extension.load); the torch
+// Built on first use by app/kernels/cpu_kernels.py (torch.utils.cpp_extension.load); the torch
 // reference in app/engine/attention.py is the ground truth it is tested against.
 //
 //   decode(...)  one new token per sequence: a loop per (sequence, KV head) over the sequence's
@@ -700,9 +701,202 @@ void store_fp8(at::Tensor x, at::Tensor slots, at::Tensor values, at::Tensor sca
   });
 }
 
+namespace {
+
+// Element i of a float / bf16 / fp16 tensor's data as float, and a float rounded back.
+struct Elems {
+  void* p;
+  at::ScalarType t;
+  float get(int64_t i) const {
+    if (t == at::kBFloat16) return float(static_cast<const at::BFloat16*>(p)[i]);
+    if (t == at::kHalf) return float(static_cast<const at::Half*>(p)[i]);
+    return static_cast<const float*>(p)[i];
+  }
+  void set(int64_t i, float v) const {
+    if (t == at::kBFloat16) static_cast<at::BFloat16*>(p)[i] = at::BFloat16(v);
+    else if (t == at::kHalf) static_cast<at::Half*>(p)[i] = at::Half(v);
+    else static_cast<float*>(p)[i] = v;
+  }
+  float round(float v) const {  // v as this dtype holds it
+    if (t == at::kBFloat16) return float(at::BFloat16(v));
+    if (t == at::kHalf) return float(at::Half(v));
+    return v;
+  }
+};
+
+Elems elems(const at::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(), "contiguous CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "float32, bf16 or fp16");
+  return Elems{x.data_ptr(), x.scalar_type()};
+}
+
+bool vector_finite(const Elems& e, int64_t at, int64_t n) {
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) ok &= std::isfinite(e.get(at + i));
+  return ok;
+}
+
+}  // namespace
+
+// Rounding a float to the element type as torch does (bf16/fp16: nearest even), back as float.
+template <typename T>
+inline float rounded(float v);
+
+inline float sum_of_squares(const float* v, int64_t n) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
+  return ss;
+}
+
+// bf16 <-> float by bits (round to nearest even; NaN stays non-finite), so the loops vectorize.
+inline float bf16_bits(uint16_t b) { return bits_to_float(uint32_t(b) << 16); }
+inline uint16_t to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float ld(const at::BFloat16& x) { return bf16_bits(reinterpret_cast<const uint16_t&>(x)); }
+inline float ld(const at::Half& x) { return float(x); }
+inline float ld(const float& x) { return x; }
+inline float ld(const double& x) { return float(x); }
+inline void st(at::BFloat16& y, float v) { reinterpret_cast<uint16_t&>(y) = to_bf16_bits(v); }
+inline void st(at::Half& y, float v) { y = at::Half(v); }
+inline void st(float& y, float v) { y = v; }
+inline void st(double& y, float v) { y = v; }
+template <typename T>
+inline float rounded(float v) {
+  T tmp;
+  st(tmp, v);
+  return ld(tmp);
+}
+
+template <typename T>
+void silu_mul_row(const T* g, const T* u, T* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = ld(g[i]);
+    const float e = fast_exp(-std::fabs(gi));  // exp(-|g|) <= 1: no overflow either way
+    const float silu = gi >= 0 ? gi / (1.0f + e) : gi * e / (1.0f + e);
+    st(out[i], rounded<T>(silu) * ld(u[i]));
+  }
+}
+
+// RMSNorm with the residual added first, rounding where the torch path rounds: h = x + residual
+// in the dtype, y = weight * (h * rsqrt(mean(h^2) + eps)) rounded to the dtype, then the product
+// with weight rounded. x, residual [T, H]; returns (y, h) (h undefined without residual).
+std::vector<at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps, c10::optional<at::Tensor> residual) {
+  elems(x), elems(weight);
+  const int64_t T = x.size(0), H = x.size(1);
+  at::Tensor y = at::empty_like(x), h = residual.has_value() ? at::empty_like(x) : at::Tensor();
+  if (residual.has_value()) elems(*residual);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    const scalar_t* rp = residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr;
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    scalar_t* hp = residual.has_value() ? h.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(H);
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* xr = xp + t * H;
+        float* v = row.data();
+        if (rp) {
+          const scalar_t* rr = rp + t * H;
+          scalar_t* hr = hp + t * H;
+          for (int64_t i = 0; i < H; ++i) {
+            st(hr[i], ld(xr[i]) + ld(rr[i]));
+            v[i] = ld(hr[i]);
+          }
+        } else {
+          for (int64_t i = 0; i < H; ++i) v[i] = ld(xr[i]);
+        }
+        const float r = 1.0f / std::sqrt(sum_of_squares(v, H) / float(H) + float(eps));
+        scalar_t* yr = yp + t * H;
+        for (int64_t i = 0; i < H; ++i) st(yr[i], ld(wp[i]) * rounded<scalar_t>(v[i] * r));
+      }
+    });
+  });
+  return {y, h};
+}
+
+// RoPE (rotate-half) on the query and key parts of the fused projection qkv [T, (H + 2K) D], in
+// float, rounded to the dtype; cos/sin [T, D] float32. Returns q [T, H, D], k [T, K, D].
+std::vector<at::Tensor> rope_qk(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t H, int64_t K) {
+  elems(qkv);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous(), "cos/sin: contiguous float32");
+  const int64_t T = qkv.size(0), D = cos.size(1), W = qkv.size(1), half = D / 2;
+  at::Tensor q = at::empty({T, H, D}, qkv.options()), k = at::empty({T, K, D}, qkv.options());
+  const float* c = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_qk", [&] {
+    const scalar_t* xp = qkv.data_ptr<scalar_t>();
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* ct = c + t * D;
+        const float* sn_t = sn + t * D;
+        for (int64_t hd = 0; hd < H + K; ++hd) {
+          scalar_t* o = hd < H ? qp + (t * H + hd) * D : kp + (t * K + hd - H) * D;
+          const scalar_t* x = xp + t * W + hd * D;
+          for (int64_t j = 0; j < half; ++j) {
+            const float x1 = ld(x[j]), x2 = ld(x[j + half]);
+            st(o[j], x1 * ct[j] - x2 * sn_t[j]);
+            st(o[j + half], x2 * ct[j + half] + x1 * sn_t[j + half]);
+          }
+        }
+      }
+    });
+  });
+  return {q, k};
+}
+
+// silu(gate) * up for x = [gate | up] [T, 2I]: silu rounded to the dtype, then the product.
+at::Tensor silu_and_mul(at::Tensor x) {
+  elems(x);
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  at::Tensor y = at::empty({T, I}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* g = xp + t * 2 * I;
+        const scalar_t* u = g + I;
+        scalar_t* out = yp + t * I;
+        silu_mul_row(g, u, out, I);
+      }
+    });
+  });
+  return y;
+}
+
+// Tokens whose K or V vector holds NaN/Inf: flags [N] (1 = not finite). key/value [N, H, D] of
+// any float dtype and any row stride between tokens.
+at::Tensor nonfinite_tokens(at::Tensor key, at::Tensor value) {
+  const int64_t N = key.size(0);
+  at::Tensor flags = at::zeros({N}, at::kBool);
+  bool* f = flags.data_ptr<bool>();
+  const at::Tensor k = key.contiguous(), v = value.contiguous();
+  const Elems ek = elems(k), ev = elems(v);
+  const int64_t nk = k.numel() / std::max<int64_t>(N, 1), nv = v.numel() / std::max<int64_t>(N, 1);
+  at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) f[t] = !(vector_finite(ek, t * nk, nk) && vector_finite(ev, t * nv, nv));
+  });
+  return flags;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "paged decode attention over dense / fp8 / fp4 pages");
   m.def("gather", &gather, "dequantize paged blocks into a contiguous tensor");
   m.def("store_fp4", &store_fp4, "quantize vectors to fp4 and write them to their slots");
+  m.def("rms_norm", &rms_norm, "RMSNorm with the residual added first");
+  m.def("rope_qk", &rope_qk, "RoPE on the query and key parts of the fused projection");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("nonfinite_tokens", &nonfinite_tokens, "tokens whose K or V holds NaN/Inf");
   m.def("store_fp8", &store_fp8, "quantize vectors to fp8 (a scale per vector) and write them to their slots");
 }

@@ -1,4 +1,4 @@
-"""The CPU extension of the paged KV cache (app/kernels/cpu_attention.py) against the torch reference.
+"""The CPU extension of the paged KV cache (app/kernels/cpu_kernels.py) against the torch reference.
 
 The same steps go through two caches of each format, one on the extension (what the CPU runs by
 default), one with `use_cpu_kernels = False` (the torch reference): a ragged prefill, a step of
@@ -12,11 +12,11 @@ import torch
 
 from app.engine.attention import AttentionMetadata
 from app.engine.kv_cache import KVCacheSpec, create_kv_cache
-from app.kernels import cpu_attention
+from app.kernels import cpu_kernels
 from app.kernels.fp4 import FP4Format
 from kernels_testing import DEFAULT_FP4, FORMATS, keys_like_llama, paged_step, rel_err
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason=f"no CPU extension: {cpu_attention.problem()}")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no CPU extension: {cpu_kernels.problem()}")
 
 CASES = {
     **{name: kv for name, kv in FORMATS.items() if name != "fp4-zscore"},

@@ -1,6 +1,7 @@
-"""Paged attention on the CPU without rebuilding the context every step.
+"""The CPU path's kernels: paged attention without rebuilding the context every step, K/V stores,
+fused layer ops.
 
-The operations of a small C++ extension (cpu_attention.cpp, compiled with the machine's C++
+The operations of a small C++ extension (cpu_kernels.cpp, compiled with the machine's C++
 compiler on first use and cached by torch.utils.cpp_extension under ~/.cache/torch_extensions):
 
 - decode: one new token per sequence attends to its pages; dense, fp8 and fp4 pages are read and
@@ -10,7 +11,9 @@ compiler on first use and cached by torch.utils.cpp_extension under ~/.cache/tor
   chunk's own keys causally and the earlier keys in full, merged by their log-sum-exp (a single
   call with a bottom-right causal mask takes the kernel's slower masked path).
 - store: new K/V quantized to fp4 / fp8 as app/kernels/fp4.py does (topk outliers), written to
-  their slots.
+  their slots; `nonfinite_tokens` finds the tokens whose K or V holds NaN/Inf in one pass.
+- layer ops: RMSNorm (residual added first), RoPE on the fused q/k projection, SiLU-and-mul, one
+  pass each, rounding where app/kernels/layer_ops_ref.py rounds (sums may differ in order).
 
 `available()` is False, with the reason logged once, where the extension cannot be built (no
 compiler); the KV cache then keeps the torch reference path (app/engine/attention.py), which
@@ -32,7 +35,7 @@ from app.kernels import fp4
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
@@ -57,8 +60,8 @@ def load():
     with _lock:
         if _module is not None or _error is not None:
             return _module
-        if os.environ.get("APP_CPU_ATTENTION", "1") == "0":
-            _error = "disabled by APP_CPU_ATTENTION=0"
+        if os.environ.get("APP_CPU_KERNELS", "1") == "0":
+            _error = "disabled by APP_CPU_KERNELS=0"
             return None
         try:
             from torch.utils.cpp_extension import load as build
@@ -66,15 +69,15 @@ def load():
             # -march=native: the build is keyed by the source and this CPU's flags, so a cache
             # directory shared by machines of different CPUs never runs code built for another.
             key = hashlib.sha1(_SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode())
-            name = f"app_cpu_attention_{key.hexdigest()[:12]}"
-            logger.info("building the CPU attention extension %s (once per machine, about a minute)", name)
+            name = f"app_cpu_kernels_{key.hexdigest()[:12]}"
+            logger.info("building the CPU kernels extension %s (once per machine, about a minute)", name)
             _module = build(name=name, sources=[str(_SOURCE)], verbose=False,
                             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
                             extra_ldflags=["-fopenmp"])
         except Exception as e:  # no compiler, no ninja, a build error: keep the torch path
             lines = [ln for ln in str(e).splitlines() if ln.strip()] or [""]
             _error = f"{type(e).__name__}: {next((ln for ln in lines if 'error' in ln), lines[-1]).strip()}"
-            logger.warning("CPU attention extension unavailable (%s); using the torch reference path", _error)
+            logger.warning("CPU kernels extension unavailable (%s); using the torch reference path", _error)
         return _module
 
 
@@ -151,3 +154,26 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
         merged = (own.float() * w_own[..., None] + prev.float() * w_prev[..., None]) / (w_own + w_prev)[..., None]
         own = merged.to(query.dtype)
     return own[0].transpose(0, 1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """As layer_ops_ref.rms_norm_ref: (norm(x [+ residual]), x + residual or None)."""
+    y, h = load().rms_norm(x.contiguous(), weight.contiguous(), eps,
+                           residual.contiguous() if residual is not None else None)
+    return y, (h if residual is not None else None)
+
+
+def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int):
+    """As layer_ops_ref.rope_qk_ref: q [T, H, D] and k [T, K, D] from the fused projection."""
+    q, k = load().rope_qk(qkv.contiguous(), cos.contiguous(), sin.contiguous(), num_heads, num_kv_heads)
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """As layer_ops_ref.silu_and_mul_ref: silu(gate) * up of x = [gate | up]."""
+    return load().silu_and_mul(x.contiguous())
+
+
+def nonfinite_tokens(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the tokens whose K or V vector (any of its heads) holds NaN/Inf."""
+    return load().nonfinite_tokens(key, value)
