@@ -40,15 +40,16 @@ def test_cpu_extension_matches_the_torch_reference(name, head_dim, block_size, n
     if formats[0] is not None and formats[0].rotate and head_dim & (head_dim - 1):
         pytest.skip("rotation needs a power-of-two head_dim")
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=head_dim, block_size=block_size, compute_dtype=dtype)
-    ext, ref = (create_kv_cache(kv, spec, 64, "cpu", formats) for _ in range(2))
+    ext, ref = (create_kv_cache(kv, spec, 3 * 160 // block_size, "cpu", formats) for _ in range(2))
     assert ext.cpu_kernels_enabled()
     ref.use_cpu_kernels = False
     gen = torch.Generator().manual_seed(0)
-    per_seq = 80 // block_size  # blocks per sequence: up to 80 tokens
+    per_seq = 160 // block_size  # blocks per sequence: up to 160 tokens
     tables = [list(range(i * per_seq, (i + 1) * per_seq))[::-1] for i in range(3)]  # scattered, reversed
     computed = [0, 0, 0]
-    # ragged prefill, decodes, mixed, a long chunk over earlier context beside a decode
-    for new in ([20, 5, 33], [1, 1, 1], [7, 1, 1], [1, 40, 1]):
+    # ragged prefill, decodes, mixed, long chunks over earlier context beside decodes (the last
+    # one over 77 earlier tokens: in bf16 the first 64 are attended in full, 13 join the causal part)
+    for new in ([20, 5, 33], [1, 1, 1], [7, 1, 1], [1, 70, 1], [1, 50, 1]):
         meta, q, k, v = paged_step(tables, computed, new, spec, num_heads, gen)
         ext.store(1, k, v, meta.slot_mapping)
         ref.store(1, k, v, meta.slot_mapping)

@@ -130,14 +130,23 @@ def store_fp8(x: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, scale:
 
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+PAD = 64  # prefill attention lengths in bf16/fp16 are multiples of this (see prefill)
 
 
 def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [nq, H, D] at the last nq of key/value's [nk, KVH, D] positions, causal; -> [nq, H, D]."""
+    """query [nq, H, D] at the last nq of key/value's [nk, KVH, D] positions, causal; -> [nq, H, D].
+
+    Two calls of torch's flash kernel merged by log-sum-exp: the earlier keys in full and the
+    chunk's own keys causally. In bf16/fp16 every length is a multiple of PAD (oneDNN compiles a
+    kernel per new shape; padded shapes repeat): the earlier keys are cut at a multiple of PAD,
+    the E keys after the cut join the causal call with E dummy queries in front (so that query i
+    sits at key E + i), and both calls get dummy rows at the end (causality hides the extra keys;
+    the extra queries are dropped).
+    """
     nq, heads, _ = query.shape
     nk, kv_heads, _ = key.shape
     group = heads // kv_heads
-    q = query.transpose(0, 1).unsqueeze(0)  # [1, H, nq, D]
+    pad = PAD if query.dtype != torch.float32 else 1
 
     def heads_first(x):  # [n, KVH, D] -> [1, H, n, D]
         x = x.transpose(0, 1)
@@ -145,10 +154,24 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
             x = x.repeat_interleave(group, dim=0)
         return x.unsqueeze(0)
 
-    k, v = heads_first(key), heads_first(value)
-    own, own_lse = _flash(q, k[:, :, nk - nq:], v[:, :, nk - nq:], 0.0, True, scale=scale)
-    if nk > nq:
-        prev, prev_lse = _flash(q, k[:, :, : nk - nq], v[:, :, : nk - nq], 0.0, False, scale=scale)
+    def padded(x, front, total):  # [1, H, n, D] -> [1, H, total, D], zeros around
+        if front == 0 and x.shape[2] == total:
+            return x
+        out = x.new_zeros(*x.shape[:2], total, x.shape[3])
+        out[:, :, front:front + x.shape[2]] = x
+        return out
+
+    q, k, v = query.transpose(0, 1).unsqueeze(0), heads_first(key), heads_first(value)
+    cut = (nk - nq) // pad * pad  # earlier keys attended in full
+    extra = nk - nq - cut  # earlier keys after the cut: they join the causal call
+    n_own = -(-(extra + nq) // pad) * pad
+    own, own_lse = _flash(padded(q, extra, n_own), padded(k[:, :, cut:], 0, n_own), padded(v[:, :, cut:], 0, n_own),
+                          0.0, True, scale=scale)
+    own, own_lse = own[:, :, extra:extra + nq], own_lse[:, :, extra:extra + nq]
+    if cut:
+        n_q = -(-nq // pad) * pad
+        prev, prev_lse = _flash(padded(q, 0, n_q), k[:, :, :cut], v[:, :, :cut], 0.0, False, scale=scale)
+        prev, prev_lse = prev[:, :, :nq], prev_lse[:, :, :nq]
         m = torch.maximum(own_lse, prev_lse)
         w_own, w_prev = (own_lse - m).exp(), (prev_lse - m).exp()
         merged = (own.float() * w_own[..., None] + prev.float() * w_prev[..., None]) / (w_own + w_prev)[..., None]

@@ -198,6 +198,21 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     return emb.cos(), emb.sin()
 
 
+CPU_GEMM_ROWS = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T. On the CPU in bf16/fp16 the rows are padded to a multiple of CPU_GEMM_ROWS:
+    oneDNN builds (JIT-compiles) a kernel per new shape, about 2 ms, which a step's varying token
+    count would otherwise pay at every projection (bench/RESULTS.md, the CPU section)."""
+    rows = x.shape[0]
+    if x.device.type != "cpu" or x.dtype == torch.float32 or rows % CPU_GEMM_ROWS == 0:
+        return F.linear(x, weight)
+    padded = x.new_zeros(-(-rows // CPU_GEMM_ROWS) * CPU_GEMM_ROWS, x.shape[1])
+    padded[:rows] = x
+    return F.linear(padded, weight)[:rows]
+
+
 def _cpu_ops(x: torch.Tensor) -> bool:
     """The CPU extension's fused layer ops (app/kernels/cpu_kernels.py) for CPU tensors where it
     builds (APP_CPU_KERNELS=0 turns it off), the torch references otherwise."""
@@ -254,7 +269,7 @@ class LlamaAttention(nn.Module):
         T = x.shape[0]
         H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight)  # [T, (H + 2K) * D]
+            qkv = linear(x, self.qkv_weight)  # [T, (H + 2K) * D]
         else:
             qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
         if self.use_kernels:
@@ -268,7 +283,7 @@ class LlamaAttention(nn.Module):
         v = qkv[:, (H + K) * D:].view(T, K, D)  # [T, K, D], rows strided
         kv_cache.store(self.layer_idx, k, v, meta.slot_mapping, meta.nonfinite)
         o = kv_cache.attention(self.layer_idx, q, meta, self.scale)  # [T, heads, head_dim]
-        return all_reduce(self.o_proj(o.reshape(T, H * D)), self.tp_size)  # [T, hidden]
+        return all_reduce(linear(o.reshape(T, H * D), self.o_proj.weight), self.tp_size)  # [T, hidden]
 
 
 class LlamaMLP(nn.Module):
@@ -289,7 +304,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if self.gate_up_weight is not None:
-            gate_up = F.linear(x, self.gate_up_weight)  # [T, 2 i]
+            gate_up = linear(x, self.gate_up_weight)  # [T, 2 i]
         else:
             gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
         if self.use_kernels:
@@ -300,7 +315,7 @@ class LlamaMLP(nn.Module):
             act = cpu_kernels.silu_and_mul(gate_up)
         else:
             act = silu_and_mul_ref(gate_up)
-        return all_reduce(self.down_proj(act), self.tp_size)
+        return all_reduce(linear(act, self.down_proj.weight), self.tp_size)
 
 
 def _fuse(*linears: nn.Linear) -> torch.Tensor:
@@ -401,7 +416,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_cache, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight).float()
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         """Shape of parameter `name` in the unsharded model."""
