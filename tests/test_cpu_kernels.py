@@ -122,3 +122,22 @@ def test_stories260k_tokens_equal_the_torch_reference(stories_paths, kv):
         assert cache.cpu_kernels_enabled() == use_ext
         outs.append([o.token_ids for o in llm.generate(PROMPTS + PROMPTS[-1:], params)])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("k", [64, 172])
+def test_padded_projection_keeps_tokens_apart(k):
+    """llama.linear pads bf16 rows to a multiple of 64 on the CPU (where the reduction allows it):
+    the result is the unpadded product's, and a NaN in one token's row stays in that row."""
+    import torch.nn.functional as F
+
+    from app.engine.models.llama import linear
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, k, generator=gen).bfloat16()
+    # With a reduction tail (172), oneDNN's kernel for 64-row shapes leaks a NaN row into its
+    # neighbour by itself; linear leaves such shapes unpadded, so only other row counts are checked.
+    for rows in (5, 64, 100) if k % 32 == 0 else (5, 100):
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        torch.testing.assert_close(linear(x, w).float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
+        x[1] = float("nan")
+        assert torch.isnan(linear(x, w)).any(1).nonzero().flatten().tolist() == [1]

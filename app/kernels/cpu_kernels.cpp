@@ -547,8 +547,48 @@ inline float e2m1_magnitude(float a) {
          float(a > 2.5f) + float(a >= 3.5f) + 2.0f * float(a > 5.0f);
 }
 
+// Squared error of a group x[0, n) quantized to E2M1 with the scale `safe`: sum of
+// (e2m1(x / safe) * safe - x)^2 (the order of the sum is the only difference from the torch path).
+inline float group_error(const float* x, int n, float safe) {
+  float err = 0.0f;
+  int i = 0;
+#ifdef APP_AVX512
+  const __m512 s = _mm512_set1_ps(safe);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    const __m512 v = _mm512_div_ps(xv, s);
+    const __m512 a = _mm512_abs_ps(v);
+    __m512 q = _mm512_setzero_ps();
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ), q, half);
+    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.75f), _CMP_GE_OQ), q, half);
+    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.25f), _CMP_GT_OQ), q, half);
+    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.75f), _CMP_GE_OQ), q, half);
+    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.5f), _CMP_GT_OQ), q, one);
+    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.5f), _CMP_GE_OQ), q, one);
+    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(5.0f), _CMP_GT_OQ), q, two);
+    q = _mm512_mask_sub_ps(q, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), q);
+    const __m512 diff = _mm512_sub_ps(_mm512_mul_ps(q, s), xv);
+    acc = _mm512_fmadd_ps(diff, diff, acc);
+  }
+  err = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    const float v = x[i] / safe;
+    const float q = e2m1_magnitude(std::fabs(v));
+    const float diff = (v < 0 ? -q : q) * safe - x[i];
+    err += diff * diff;
+  }
+  return err;
+}
+
 // ceil(log2(v)) for v > 0, exactly (frexp: v = m 2^e, m in [0.5, 1)).
 inline int ceil_log2(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const int biased = int((u >> 23) & 0xFF);
+  if (biased > 0) return biased - 127 + ((u & 0x7FFFFF) != 0);  // normal: 2^e * 1.m
   int e;
   const float m = std::frexp(v, &e);
   return m == 0.5f ? e - 1 : e;
@@ -559,20 +599,26 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
                       uint8_t* codes, uint8_t* scales, uint8_t* scale_exp, at::BFloat16* out_vals, uint8_t* out_idx) {
   // Outliers: the `outliers` largest magnitudes (> 0; the lower index first among equals), kept in
   // bf16 and taken out of x; unused slots hold value 0 at index 0.
-  bool taken[256] = {};
-  for (int k = 0; k < outliers; ++k) {
-    int best = -1;
-    float bm = 0.0f;
-    for (int d = 0; d < D; ++d) {
-      const float a = std::fabs(x[d]);
-      if (a > bm && !taken[d]) {
-        bm = a;
-        best = d;
-      }
+  // One pass keeping the k largest so far in order; strict comparisons keep the lower index
+  // ahead of a later equal magnitude, and a magnitude of 0 is never taken.
+  float top_v[16];
+  int top_i[16];
+  for (int k = 0; k < outliers; ++k) top_v[k] = 0.0f, top_i[k] = -1;
+  for (int d = 0; d < D && outliers; ++d) {
+    const float a = std::fabs(x[d]);
+    if (!(a > top_v[outliers - 1])) continue;
+    int k = outliers - 1;
+    while (k > 0 && a > top_v[k - 1]) {
+      top_v[k] = top_v[k - 1];
+      top_i[k] = top_i[k - 1];
+      --k;
     }
-    if (best >= 0) taken[best] = true;
-    out_vals[r * outliers + k] = at::BFloat16(best < 0 ? 0.0f : x[best]);
-    out_idx[r * outliers + k] = uint8_t(best < 0 ? 0 : best);
+    top_v[k] = a;
+    top_i[k] = d;
+  }
+  for (int k = 0; k < outliers; ++k) {
+    out_vals[r * outliers + k] = at::BFloat16(top_i[k] < 0 ? 0.0f : x[top_i[k]]);
+    out_idx[r * outliers + k] = uint8_t(top_i[k] < 0 ? 0 : top_i[k]);
   }
   for (int k = 0; k < outliers; ++k) x[out_idx[r * outliers + k]] -= float(out_vals[r * outliers + k]);
   const int ng = D / group;
@@ -587,8 +633,10 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
   top /= *std::min_element(targets.begin(), targets.end());
   const int e = top > 0 ? std::min(127, std::max(-126, ceil_log2(top / 448.0f))) : -127;
   scale_exp[r] = uint8_t(e + 127);
-  const float second = std::ldexp(1.0f, e);
-  for (int d = 0; d < D; ++d) x[d] /= second;  // units of the second-level scale (exact)
+  const float second = pow2(e);
+  const float inv_second = 1.0f / second;  // a power of two: multiplying is dividing, exactly
+#pragma omp simd
+  for (int d = 0; d < D; ++d) x[d] *= inv_second;  // units of the second-level scale
   for (int g = 0; g < ng; ++g) {
     const float* xg = x + g * group;
     const float amax_n = amax[g] / second;
@@ -598,14 +646,7 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
       const c10::Float8_e4m3fn sc(std::max(amax_n / targets[c], 0.015625f));
       const float dec = float(sc);
       const float safe = dec > 0 ? dec : 1.0f;
-      float err = 0.0f;
-#pragma omp simd reduction(+ : err)
-      for (int i = 0; i < group; ++i) {
-        const float v = xg[i] / safe;
-        const float q = e2m1_magnitude(std::fabs(v));
-        const float diff = (v < 0 ? -q : q) * safe - xg[i];
-        err += diff * diff;
-      }
+      const float err = group_error(xg, group, safe);
       if (c == 0 || err < best_err) {
         best_err = err;
         best_safe = safe;
@@ -613,12 +654,15 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
       }
     }
     scales[r * ng + g] = best_scale;
-    uint8_t* out = codes + r * (D / 2) + g * group / 2;
-    for (int i = 0; i < group / 2; ++i) {
-      const float v0 = xg[2 * i] / best_safe, v1 = xg[2 * i + 1] / best_safe;
-      const int c0 = e2m1_magnitude_code(std::fabs(v0)), c1 = e2m1_magnitude_code(std::fabs(v1));
-      out[i] = uint8_t(((v0 < 0 && c0 > 0) ? c0 | 8 : c0) | (((v1 < 0 && c1 > 0) ? c1 | 8 : c1) << 4));
+    uint8_t code[512];
+#pragma omp simd
+    for (int i = 0; i < group; ++i) {
+      const float v = xg[i] / best_safe;
+      const int c = e2m1_magnitude_code(std::fabs(v));
+      code[i] = uint8_t((v < 0 && c > 0) ? c | 8 : c);
     }
+    uint8_t* out = codes + r * (D / 2) + g * group / 2;
+    for (int i = 0; i < group / 2; ++i) out[i] = uint8_t(code[2 * i] | (code[2 * i + 1] << 4));
   }
 }
 }  // namespace
@@ -664,17 +708,21 @@ void store_fp4(at::Tensor x, at::Tensor slots, std::vector<at::Tensor> pages, in
   const Pages p = make_pages(2, pages, group);
   const int D = int(x.size(2)), outliers = int(pages[3].size(3));
   const int64_t H = x.size(1), n = x.size(0);
-  TORCH_CHECK(H == p.heads && D == p.head_dim && D / group <= 512, "store_fp4: head shapes");
+  TORCH_CHECK(H == p.heads && D == p.head_dim && D <= 512, "store_fp4: head shapes (head_dim <= 512)");
   const std::vector<float> targets(targets_d.begin(), targets_d.end());
   const int64_t* sl = slots.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  uint8_t* codes = pages[0].data_ptr<uint8_t>();
+  uint8_t* scales = reinterpret_cast<uint8_t*>(pages[1].data_ptr());
+  uint8_t* scale_exp = pages[2].data_ptr<uint8_t>();
+  at::BFloat16* out_vals = pages[3].data_ptr<at::BFloat16>();
+  uint8_t* out_idx = pages[4].data_ptr<uint8_t>();
   at::parallel_for(0, n * H, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> row(D);
     for (int64_t i = begin; i < end; ++i) {
-      std::memcpy(row.data(), x.data_ptr<float>() + i * D, D * sizeof(float));
+      std::memcpy(row.data(), xp + i * D, D * sizeof(float));
       const int64_t r = sl[i / H] * H + i % H;
-      fp4_quantize_row(row.data(), D, int(group), outliers, targets, r, pages[0].data_ptr<uint8_t>(),
-                       reinterpret_cast<uint8_t*>(pages[1].data_ptr()), pages[2].data_ptr<uint8_t>(),
-                       pages[3].data_ptr<at::BFloat16>(), pages[4].data_ptr<uint8_t>());
+      fp4_quantize_row(row.data(), D, int(group), outliers, targets, r, codes, scales, scale_exp, out_vals, out_idx);
     }
   });
 }
@@ -731,10 +779,12 @@ Elems elems(const at::Tensor& x) {
   return Elems{x.data_ptr(), x.scalar_type()};
 }
 
-bool vector_finite(const Elems& e, int64_t at, int64_t n) {
-  bool ok = true;
-  for (int64_t i = 0; i < n; ++i) ok &= std::isfinite(e.get(at + i));
-  return ok;
+template <typename T>
+bool all_finite(const T* p, int64_t n) {
+  float acc = 0.0f;  // x * 0 is 0 for finite x, NaN for NaN and Inf
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += float(p[i]) * 0.0f;
+  return acc == 0.0f;
 }
 
 }  // namespace
@@ -881,12 +931,16 @@ at::Tensor nonfinite_tokens(at::Tensor key, at::Tensor value) {
   const int64_t N = key.size(0);
   at::Tensor flags = at::zeros({N}, at::kBool);
   bool* f = flags.data_ptr<bool>();
-  const at::Tensor k = key.contiguous(), v = value.contiguous();
-  const Elems ek = elems(k), ev = elems(v);
-  const int64_t nk = k.numel() / std::max<int64_t>(N, 1), nv = v.numel() / std::max<int64_t>(N, 1);
-  at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) f[t] = !(vector_finite(ek, t * nk, nk) && vector_finite(ev, t * nv, nv));
-  });
+  for (const at::Tensor& x : {key.contiguous(), value.contiguous()}) {
+    elems(x);
+    const int64_t n = x.numel() / std::max<int64_t>(N, 1);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "nonfinite_tokens", [&] {
+      const scalar_t* p = x.data_ptr<scalar_t>();
+      at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) f[t] |= !all_finite(p + t * n, n);
+      });
+    });
+  }
   return flags;
 }
 
