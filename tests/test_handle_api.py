@@ -99,3 +99,34 @@ def test_bad_chat_raises_a_typed_error(handle):
     with pytest.raises(BadRequestError) as e:
         list(handle.options(stream=True).chat.remote(request))
     assert e.value.param == "max_completion_tokens"
+
+
+def test_client_errors_are_one_warning_line_in_the_replica_logs(handle):
+    """A bad request is the client's mistake: the caller gets the typed error, and the replica's
+    log gets one WARNING line for it, not Serve's "Request failed." traceback (an engine-level
+    refusal through the LLMServer handle, and an ingress-level one)."""
+    import glob
+    import time
+
+    import ray
+
+    from app.deployments.types import GenerateRequest
+    from app.engine.errors import InvalidRequestError
+    from app.engine.sampling_params import SamplingParams
+
+    llm_server = serve.get_deployment_handle("LLMServer", app_name=APP)
+    bad = GenerateRequest(request_id="bad-token-ids", prompt_token_ids=[1, 10 ** 6], sampling_params=SamplingParams())
+    with pytest.raises(InvalidRequestError, match="vocab"):
+        list(llm_server.options(stream=True).generate.remote(bad))
+    with pytest.raises(BadRequestError):
+        list(handle.options(stream=True).completions.remote({"model": TINY, "prompt": "hi", "max_tokens": -1}))
+    logs_dir = ray._private.worker._global_node.get_logs_dir_path()
+    for deployment, error in (("LLMServer", "InvalidRequestError"), ("OpenAIIngress", "BadRequestError")):
+        deadline = time.monotonic() + 10
+        while True:
+            text = "".join(open(f).read() for f in glob.glob(f"{logs_dir}/serve/replica_{APP}_{deployment}_*.log"))
+            if f"request refused ({error})" in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert f"WARNING" in text and f"request refused ({error})" in text, deployment
+        assert "Request failed." not in text and "Traceback" not in text, deployment

@@ -24,6 +24,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app.config import ServerConfig
+from app.deployments import logs
 from app.deployments.errors import parse_request
 from app.deployments.metrics import CONTENT_TYPE
 from app.deployments.protocol import (
@@ -112,6 +113,7 @@ class OpenAIIngress(OpenAIServing):
 
     def __init__(self, llm_server: DeploymentHandle, config: ServerConfig | dict) -> None:
         super().__init__(llm_server, config)
+        logs.install()  # a client's bad request is a warning line here, not a traceback
         self.api_keys = api_keys(self.config, os.environ)
 
     def _authorize(self, request: Request) -> None:

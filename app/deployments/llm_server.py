@@ -23,6 +23,7 @@ from app.engine.async_engine import AsyncLLMEngine
 from app.engine.engine import RequestOutput
 from app.engine.kv_events import KVEvent
 from app.engine.sampling_params import SamplingParams
+from app.deployments import logs
 from app.deployments.types import GenerateRequest, ModelInfo
 from app.router.events import encode_batch
 
@@ -38,6 +39,7 @@ class LLMServer:
         """`kv_index`: the handle of the application's KVIndex deployment; binding it here makes it
         part of the application (the replica talks to the actor it owns, by name)."""
         self.config = config = ServerConfig.model_validate(config)
+        logs.install()  # a client's bad request is a warning line here, not a traceback
         self.replica_id, self._app_name = _replica_identity()
         # The application's index actor (created by its KVIndex deployment; the KV-aware routers
         # follow it, /metrics reads the stats kept there). Looked up lazily and again after it
