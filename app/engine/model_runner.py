@@ -179,6 +179,10 @@ class ModelRunner:
         c = self.config
         self.buffers = InputBuffers(max(c.max_num_batched_tokens, c.max_num_seqs), c.max_num_seqs,
                                     cdiv(self.max_model_len, c.block_size), self.device)
+        if self.device.type == "cpu":
+            # Build (first use on this machine, ~35 s) or load the CPU extension now, while the
+            # engine starts, not inside the first request's deadline.
+            self.kv_cache.cpu_kernels_enabled()
         self.graphs_disabled_reason = self._graphs_problem()
         if self.graphs_disabled_reason is None:
             self.capture_graphs()
