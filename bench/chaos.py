@@ -27,14 +27,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import copy
 import json
 import os
 import random
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,23 +38,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from servers import serve_run  # noqa: E402
 from serving import make_text  # noqa: E402
 
 APP = "llm"
 MODEL = "tiny-llama"
 SESSION_HEADER = "x-session-id"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -327,40 +317,18 @@ def replica_actor_ids(ray) -> set[str]:
             if a["name"].startswith(f"SERVE_REPLICA::{APP}#LLMServer#")}
 
 
-def start_serve(args, workdir: Path) -> tuple[subprocess.Popen, str]:
-    config = copy.deepcopy(yaml.safe_load((ROOT / "serve_config.yaml").read_text()))
-    port = free_port()
-    config["http_options"]["port"] = port
-    (app,) = config["applications"]
-    for d in app["deployments"]:
-        if d["name"] == "LLMServer":
-            d["num_replicas"] = args.replicas
-    app["args"]["engine"]["kv_cache_memory"] = args.kv_cache_memory
-    # reliability, not the model, is under test: the tiny model (byte tokenizer: 1 char = 1 token)
-    app["args"]["engine"]["model"] = app["args"]["model_id"] = MODEL
-    app["args"]["request_timeout_s"] = args.request_timeout
-    path = workdir / "serve_config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    log = open(workdir / "serve.log", "w")
-    proc = subprocess.Popen(["serve", "run", str(path)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_ready(proc, url: str, workdir: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("serve run exited:\n" + (workdir / "serve.log").read_text()[-3000:])
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("serve run did not answer within the timeout:\n" + (workdir / "serve.log").read_text()[-3000:])
+def chaos_config(args):
+    """serve_config.yaml's changes for the run: replicas, KV memory, the tiny model, the deadline."""
+    def edit(config: dict) -> None:
+        (app,) = config["applications"]
+        for d in app["deployments"]:
+            if d["name"] == "LLMServer":
+                d["num_replicas"] = args.replicas
+        app["args"]["engine"]["kv_cache_memory"] = args.kv_cache_memory
+        # reliability, not the model, is under test: the tiny model (byte tokenizer: 1 char = 1 token)
+        app["args"]["engine"]["model"] = app["args"]["model_id"] = MODEL
+        app["args"]["request_timeout_s"] = args.request_timeout
+    return edit
 
 
 def replica_stats(ray) -> dict[str, dict]:
@@ -388,14 +356,17 @@ def wait_idle(ray, replicas: int, timeout_s: float = 120) -> dict[str, dict]:
 
 
 def run(args) -> dict:
-    from request_fuzz import draw
-
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    proc, url = start_serve(args, workdir)
+    t_start = time.monotonic()
+    with serve_run(workdir, chaos_config(args)) as url:
+        return _run(args, url, t_start)
+
+
+def _run(args, url: str, t_start: float) -> dict:
+    from request_fuzz import draw
+
     try:
-        t_start = time.monotonic()
-        wait_ready(proc, url, workdir)
         import ray
 
         ray.init(address="auto", log_to_driver=False)
@@ -448,11 +419,6 @@ def run(args) -> dict:
         }
         return result
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
         try:
             import ray
 

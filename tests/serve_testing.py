@@ -2,17 +2,13 @@
 
 import contextlib
 import os
-import socket
+import sys
 import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+from servers import free_port  # noqa: E402  (bench/servers.py: the benches' server helpers)
 
 
 @contextlib.contextmanager

@@ -3,21 +3,17 @@ the CPU) in a subprocess, then the official `openai` client and the product brie
 concurrent requests) over real HTTP."""
 
 import asyncio
-import os
-import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import yaml
 
-from tests.serve_testing import REPO_ROOT, free_port
+from tests.serve_testing import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
+from servers import serve_run  # noqa: E402
 from serving import run_load_test, summarize  # noqa: E402
 
 # The brief's 250 requests run in the slow tier (and in bench/RESULTS.md); the default suite sends
@@ -30,39 +26,8 @@ CI_MAX_TOKENS = 32
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`serve run` of serve_config.yaml, changed only to listen on a free port."""
-    config = yaml.safe_load((REPO_ROOT / "serve_config.yaml").read_text())
-    port = free_port()
-    config["http_options"]["port"] = port
-    path: Path = tmp_path_factory.mktemp("serve") / "serve_config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    log = open(path.parent / "serve.log", "w")
-    proc = subprocess.Popen(["serve", "run", str(path)], cwd=REPO_ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        start = time.monotonic()
-        while time.monotonic() - start < 180:
-            assert proc.poll() is None, (path.parent / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail("serve run did not answer /v1/models within 180 s:\n"
-                        + (path.parent / "serve.log").read_text()[-3000:])
-        print(f"serve run ready in {time.monotonic() - start:.1f} s")
+    with serve_run(tmp_path_factory.mktemp("serve"), timeout_s=180) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: serve run shuts Serve and Ray down
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 MODEL = "smollm2-135m-instruct"
