@@ -751,32 +751,11 @@ void store_fp8(at::Tensor x, at::Tensor slots, at::Tensor values, at::Tensor sca
 
 namespace {
 
-// Element i of a float / bf16 / fp16 tensor's data as float, and a float rounded back.
-struct Elems {
-  void* p;
-  at::ScalarType t;
-  float get(int64_t i) const {
-    if (t == at::kBFloat16) return float(static_cast<const at::BFloat16*>(p)[i]);
-    if (t == at::kHalf) return float(static_cast<const at::Half*>(p)[i]);
-    return static_cast<const float*>(p)[i];
-  }
-  void set(int64_t i, float v) const {
-    if (t == at::kBFloat16) static_cast<at::BFloat16*>(p)[i] = at::BFloat16(v);
-    else if (t == at::kHalf) static_cast<at::Half*>(p)[i] = at::Half(v);
-    else static_cast<float*>(p)[i] = v;
-  }
-  float round(float v) const {  // v as this dtype holds it
-    if (t == at::kBFloat16) return float(at::BFloat16(v));
-    if (t == at::kHalf) return float(at::Half(v));
-    return v;
-  }
-};
-
-Elems elems(const at::Tensor& x) {
+// The layer ops take contiguous CPU tensors of float32, bf16 or fp16.
+void check_float_tensor(const at::Tensor& x) {
   TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(), "contiguous CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "float32, bf16 or fp16");
-  return Elems{x.data_ptr(), x.scalar_type()};
 }
 
 template <typename T>
@@ -789,10 +768,6 @@ bool all_finite(const T* p, int64_t n) {
 
 }  // namespace
 
-// Rounding a float to the element type as torch does (bf16/fp16: nearest even), back as float.
-template <typename T>
-inline float rounded(float v);
-
 inline float sum_of_squares(const float* v, int64_t n) {
   float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
@@ -800,15 +775,15 @@ inline float sum_of_squares(const float* v, int64_t n) {
   return ss;
 }
 
-// bf16 <-> float by bits (round to nearest even; NaN stays non-finite), so the loops vectorize.
-inline float bf16_bits(uint16_t b) { return bits_to_float(uint32_t(b) << 16); }
+// float -> bf16 by bits (round to nearest even; NaN stays non-finite; bf16_to_float is the other
+// way), so the loops vectorize.
 inline uint16_t to_bf16_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-inline float ld(const at::BFloat16& x) { return bf16_bits(reinterpret_cast<const uint16_t&>(x)); }
+inline float ld(const at::BFloat16& x) { return bf16_to_float(reinterpret_cast<const uint16_t&>(x)); }
 inline float ld(const at::Half& x) { return float(x); }
 inline float ld(const float& x) { return x; }
 inline float ld(const double& x) { return float(x); }
@@ -816,6 +791,7 @@ inline void st(at::BFloat16& y, float v) { reinterpret_cast<uint16_t&>(y) = to_b
 inline void st(at::Half& y, float v) { y = at::Half(v); }
 inline void st(float& y, float v) { y = v; }
 inline void st(double& y, float v) { y = v; }
+// Rounding a float to the element type as torch does (bf16/fp16: nearest even), back as float.
 template <typename T>
 inline float rounded(float v) {
   T tmp;
@@ -838,10 +814,10 @@ void silu_mul_row(const T* g, const T* u, T* out, int64_t n) {
 // in the dtype, y = weight * (h * rsqrt(mean(h^2) + eps)) rounded to the dtype, then the product
 // with weight rounded. x, residual [T, H]; returns (y, h) (h undefined without residual).
 std::vector<at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps, c10::optional<at::Tensor> residual) {
-  elems(x), elems(weight);
+  check_float_tensor(x), check_float_tensor(weight);
   const int64_t T = x.size(0), H = x.size(1);
   at::Tensor y = at::empty_like(x), h = residual.has_value() ? at::empty_like(x) : at::Tensor();
-  if (residual.has_value()) elems(*residual);
+  if (residual.has_value()) check_float_tensor(*residual);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
@@ -875,7 +851,7 @@ std::vector<at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps, c1
 // RoPE (rotate-half) on the query and key parts of the fused projection qkv [T, (H + 2K) D], in
 // float, rounded to the dtype; cos/sin [T, D] float32. Returns q [T, H, D], k [T, K, D].
 std::vector<at::Tensor> rope_qk(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t H, int64_t K) {
-  elems(qkv);
+  check_float_tensor(qkv);
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
               sin.is_contiguous(), "cos/sin: contiguous float32");
   const int64_t T = qkv.size(0), D = cos.size(1), W = qkv.size(1), half = D / 2;
@@ -907,7 +883,7 @@ std::vector<at::Tensor> rope_qk(at::Tensor qkv, at::Tensor cos, at::Tensor sin, 
 
 // silu(gate) * up for x = [gate | up] [T, 2I]: silu rounded to the dtype, then the product.
 at::Tensor silu_and_mul(at::Tensor x) {
-  elems(x);
+  check_float_tensor(x);
   const int64_t T = x.size(0), I = x.size(1) / 2;
   at::Tensor y = at::empty({T, I}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
@@ -932,7 +908,7 @@ at::Tensor nonfinite_tokens(at::Tensor key, at::Tensor value) {
   at::Tensor flags = at::zeros({N}, at::kBool);
   bool* f = flags.data_ptr<bool>();
   for (const at::Tensor& x : {key.contiguous(), value.contiguous()}) {
-    elems(x);
+    check_float_tensor(x);
     const int64_t n = x.numel() / std::max<int64_t>(N, 1);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "nonfinite_tokens", [&] {
       const scalar_t* p = x.data_ptr<scalar_t>();

@@ -207,8 +207,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     count would otherwise pay at every projection (bench/RESULTS.md, the CPU section)."""
     rows = x.shape[0]
     # Only where the reduction is a multiple of 32: with a tail (e.g. stories260K's 172), oneDNN's
-    # AMX kernel for such row counts reads past each row's end, so a NaN in one token's row
-    # reaches its neighbour's output (0 x NaN) and the wrong request would fail.
+    # bf16 kernels let a NaN in one token's row reach a neighbour's output at some row counts (64
+    # among them, which padding would make every step's), so the wrong request would fail.
     if x.device.type != "cpu" or x.dtype == torch.float32 or rows % CPU_GEMM_ROWS == 0 or x.shape[1] % 32:
         return F.linear(x, weight)
     padded = x.new_zeros(-(-rows // CPU_GEMM_ROWS) * CPU_GEMM_ROWS, x.shape[1])
