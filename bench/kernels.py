@@ -203,8 +203,9 @@ def best_sdpa(q4, k, v) -> tuple[float, str]:
     return best
 
 
-def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool, save=lambda: None) -> None:
-    rows = results["decode"] = []
+def decode_cases(contexts, batches):
+    """The decode timing cases (every model x context x batch that fits the GPU), each as (row
+    holding SDPA's time, query, shuffled block table, sequence lengths, scale, number of blocks)."""
     gen = torch.Generator().manual_seed(0)
     for model, (hq, hk) in MODELS.items():
         for ctx in contexts:
@@ -215,74 +216,81 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
                 table, nb = shuffled_tables(batch, ctx, gen)
                 sl = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
                 q = torch.randn(batch, hq, HEAD_DIM, device=DEV).bfloat16()
-                scale = HEAD_DIM ** -0.5
                 row = {"model": model, "ctx": ctx, "batch": batch}
                 # SDPA on contiguous [batch, heads, ctx, D]
                 k = torch.randn(batch, hk, ctx, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
                 v = torch.randn_like(k)
                 row["sdpa_ms"], row["sdpa_backend"] = best_sdpa(q[:, :, None], k, v)
                 del k, v
-                # our bf16 paged kernel
-                kp = torch.randn(nb, BLOCK, hk, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
-                vp = torch.randn_like(kp)
-                row["bf16_paged_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx))
-                if tune and ctx in (8192, 32768) and batch in (1, 32):
-                    row["bf16_paged_precise_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
-                                                                                  precise_pv=True))
-                    row["bf16_paged_bn128_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
-                                                                                block_n=128))
-                del kp, vp
-                # fp4
-                kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
-                row["fp4_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
-                # the Gluon kernel with loads into registers instead of its cp.async ring (the default, fp4_ms)
-                row["fp4_regload_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
-                                                                       num_stages=0))
-                pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers).programs_per_sm()
-                row["fp4_gluon_programs_per_sm"] = pps
-                row["fp4_num_splits"] = num_splits_for(batch, hk, ctx, DEV, GLUON_TILE, pps, whole_waves=True)
-                # the Triton fp4 kernel (the default before decode_fp4_gluon) on the same pages
-                row["fp4_triton_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
-                                                                      fp4_kernel=True))
-                # the generic kernel on the same pages (the fp4 path before _decode_fp4_kernel)
-                row["fp4_generic_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
-                                                                       fp4_kernel=False))
-                if model == "8B" and ctx == 1024 and batch == 1:
-                    results["launch_overhead_us"] = {
-                        "decode_fp4_host_us_per_call": host_us(
-                            lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS)),
-                        "decode_fp4_graph_us": 1e3 * row["fp4_ms"]}
-                if tune and ctx in (8192, 32768) and batch in (1, 8, 32):
-                    variants = dict(TUNE_VARIANTS)
-                    for pps in (2, 3, 4, 5, 6, 8):  # the Gluon kernel's split rule for other program counts per SM
-                        variants[f"gluon_splits_{pps}_per_sm"] = {"num_splits": num_splits_for(
-                            batch, hk, ctx, DEV, GLUON_TILE, programs_per_sm=pps, whole_waves=True)}
+                yield row, q, table, sl, HEAD_DIM ** -0.5, nb
 
-                    for name, kw in variants.items():
-                        row[f"fp4_{name}_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
-                                                                               FORMATS, **kw))
-                    # what the 4 key outlier slots cost: keys in the values' format (no slots)
-                    kp0 = random_fp4_pages(nb, hk, FORMATS[1])
-                    row["fp4_no_key_outliers_ms"] = bench(lambda: decode_attention(q, kp0, vp, table, sl, scale, ctx,
-                                                                                   (FORMATS[1], FORMATS[1])))
-                    del kp0
-                del kp, vp
-                torch.cuda.empty_cache()
-                row["fp4_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp4_ms"]
-                row["fp4_speedup_vs_generic"] = row["fp4_generic_ms"] / row["fp4_ms"]
-                row["fp4_speedup_vs_triton"] = row["fp4_triton_ms"] / row["fp4_ms"]
-                row["fp4_speedup_vs_regload"] = row["fp4_regload_ms"] / row["fp4_ms"]
-                row["bf16_paged_vs_sdpa"] = row["bf16_paged_ms"] / row["sdpa_ms"]
-                row["fp4_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP4_BYTES / (row["fp4_ms"] * 1e-3) / copy_bw
-                row["sdpa_eff_bw_pct_copy"] = 100 * kv_bytes / (row["sdpa_ms"] * 1e-3) / copy_bw
-                row["bf16_paged_eff_bw_pct_copy"] = 100 * kv_bytes / (row["bf16_paged_ms"] * 1e-3) / copy_bw
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                save()  # a run cut short keeps the rows it measured
-    results["gluon_registers"] = {f"group {g} key slots {k} maxnreg {r} stages {st}": n
-                                  for (g, k, r, st), n in decode_fp4_gluon.REGISTERS.items()}
-    results["gluon_shared_bytes"] = {f"group {g} key slots {k} stages {st}": n
-                                     for (g, k, st), n in decode_fp4_gluon.SHARED.items()}
+
+def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool, save=lambda: None) -> None:
+    rows = results["decode"] = []
+    for row, q, table, sl, scale, nb in decode_cases(contexts, batches):
+        model, ctx, batch, hk = row["model"], row["ctx"], row["batch"], MODELS[row["model"]][1]
+        kv_bytes = batch * ctx * hk * BF16_BYTES  # bf16 K+V, each of SDPA's and ours
+        # our bf16 paged kernel
+        kp = torch.randn(nb, BLOCK, hk, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+        vp = torch.randn_like(kp)
+        row["bf16_paged_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx))
+        if tune and ctx in (8192, 32768) and batch in (1, 32):
+            row["bf16_paged_precise_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
+                                                                          precise_pv=True))
+            row["bf16_paged_bn128_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
+                                                                        block_n=128))
+        del kp, vp
+        # fp4
+        kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
+        row["fp4_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
+        # the Gluon kernel with loads into registers instead of its cp.async ring (the default, fp4_ms)
+        row["fp4_regload_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
+                                                               num_stages=0))
+        pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers).programs_per_sm()
+        row["fp4_gluon_programs_per_sm"] = pps
+        row["fp4_num_splits"] = num_splits_for(batch, hk, ctx, DEV, GLUON_TILE, pps, whole_waves=True)
+        # the Triton fp4 kernel (the default before decode_fp4_gluon) on the same pages
+        row["fp4_triton_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
+                                                              fp4_kernel=True))
+        # the generic kernel on the same pages (the fp4 path before _decode_fp4_kernel)
+        row["fp4_generic_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
+                                                               fp4_kernel=False))
+        if model == "8B" and ctx == 1024 and batch == 1:
+            results["launch_overhead_us"] = {
+                "decode_fp4_host_us_per_call": host_us(
+                    lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS)),
+                "decode_fp4_graph_us": 1e3 * row["fp4_ms"]}
+        if tune and ctx in (8192, 32768) and batch in (1, 8, 32):
+            variants = dict(TUNE_VARIANTS)
+            for pps in (2, 3, 4, 5, 6, 8):  # the Gluon kernel's split rule for other program counts per SM
+                variants[f"gluon_splits_{pps}_per_sm"] = {"num_splits": num_splits_for(
+                    batch, hk, ctx, DEV, GLUON_TILE, programs_per_sm=pps, whole_waves=True)}
+
+            for name, kw in variants.items():
+                row[f"fp4_{name}_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
+                                                                       FORMATS, **kw))
+            # what the 4 key outlier slots cost: keys in the values' format (no slots)
+            kp0 = random_fp4_pages(nb, hk, FORMATS[1])
+            row["fp4_no_key_outliers_ms"] = bench(lambda: decode_attention(q, kp0, vp, table, sl, scale, ctx,
+                                                                           (FORMATS[1], FORMATS[1])))
+            del kp0
+        del kp, vp
+        torch.cuda.empty_cache()
+        row["fp4_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp4_ms"]
+        row["fp4_speedup_vs_generic"] = row["fp4_generic_ms"] / row["fp4_ms"]
+        row["fp4_speedup_vs_triton"] = row["fp4_triton_ms"] / row["fp4_ms"]
+        row["fp4_speedup_vs_regload"] = row["fp4_regload_ms"] / row["fp4_ms"]
+        row["bf16_paged_vs_sdpa"] = row["bf16_paged_ms"] / row["sdpa_ms"]
+        row["fp4_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP4_BYTES / (row["fp4_ms"] * 1e-3) / copy_bw
+        row["sdpa_eff_bw_pct_copy"] = 100 * kv_bytes / (row["sdpa_ms"] * 1e-3) / copy_bw
+        row["bf16_paged_eff_bw_pct_copy"] = 100 * kv_bytes / (row["bf16_paged_ms"] * 1e-3) / copy_bw
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        save()  # a run cut short keeps the rows it measured
+    results["gluon_registers"] = {f"group {g} key slots {k} maxnreg {r} stages {st} fp16 {f}": n
+                                  for (g, k, r, st, f), n in decode_fp4_gluon.REGISTERS.items()}
+    results["gluon_shared_bytes"] = {f"group {g} key slots {k} stages {st} fp16 {f}": n
+                                     for (g, k, st, f), n in decode_fp4_gluon.SHARED.items()}
     print("gluon registers:", results["gluon_registers"], "shared:", results["gluon_shared_bytes"], flush=True)
 
 
@@ -416,10 +424,17 @@ def smoke_section(results: dict, stories_dir: str, max_tokens: int = 64, device:
             cache = llm.engine.kv_cache
             out, texts = {}, {}
             # "attention": the torch path stores (so both read the same pages), the kernels attend
+            def torch_store(*args, **kwargs):
+                cache.use_kernels = False
+                try:
+                    type(cache).store(cache, *args, **kwargs)
+                finally:
+                    cache.use_kernels = True
+
             for path, use in (("kernels", True), ("torch", False), ("attention", True)):
                 cache.use_kernels = use
                 if path == "attention":
-                    cache.store = cache._store_ref
+                    cache.store = torch_store
                 t = time.time()
                 outputs = llm.generate(prompts, params)
                 out[f"{path}_s"] = time.time() - t

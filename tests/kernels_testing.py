@@ -57,6 +57,18 @@ def block_tables(seq_lens: list[int], block_size: int, seed: int = 0) -> tuple[t
     return table, num_blocks
 
 
+def cuda_fp4_pages(seq_lens, kv_heads, block_size, formats, seed, v_mult=1.0):
+    """(block table, K pages, V pages) on the GPU: Llama-like keys and normal values (x v_mult)
+    quantized to fp4 with `formats`, blocks shuffled (block_tables)."""
+    table, num_blocks = block_tables(seq_lens, block_size, seed)
+    gen = torch.Generator().manual_seed(seed)
+    k = keys_like_llama(num_blocks, block_size, kv_heads, 128, gen=gen)
+    v = torch.randn(num_blocks, block_size, kv_heads, 128, generator=gen) * v_mult
+    kp, vp = (paged.quantize_pages(x, "fp4", f) for x, f in zip((k, v), formats))
+    cuda = [t.cuda() for t in (*kp, *vp)]
+    return table.cuda(), type(kp)(*cuda[:5]), type(vp)(*cuda[5:])
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert not out.isnan().any(), "NaN in the output: an element was never written"
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()

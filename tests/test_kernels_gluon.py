@@ -4,12 +4,14 @@ Gluon kernels do not run under Triton's interpreter, so the default suite checks
 the kernel compiles for sm_90 with the installed Triton (which carries ptxas) to a main loop with no
 register spills and at most 128 registers, the 16 tensor-core MMAs per warp tile its design counts
 on, cp.async copies and a barrier per tile (the ring), or no shared memory at all (loads into
-registers); and `unsupported` says when a decode falls back to the Triton kernels.
+registers), with either code-to-number map (fp16 through E4M3, bf16); the default map by shape; and
+`unsupported` says when a decode falls back to the Triton kernels.
 
 On a CUDA GPU (`TRITON_INTERPRET=0 python -m pytest tests/test_kernels_gluon.py`) it is checked against
 float32 attention over the dequantized pages and against the Triton fp4 kernel, per sequence and
 query head: odd lengths, GQA 1, 2, 3, 4 and 8, one split and many, with and without key outlier
-slots, with the cp.async ring and with loads into registers; the engine's inputs (int64 tables and lengths, no options) take the Gluon kernel; outside
+slots, with the cp.async ring and with loads into registers, with both code-to-number maps (values
+also far from 2^0); the engine's inputs (int64 tables and lengths, no options) take the Gluon kernel; outside
 its scope decode_attention falls back. Bound as in test_kernels_decode.py: about one bf16
 rounding, 1e-2.
 """
@@ -25,7 +27,7 @@ import torch
 from app.kernels import decode_fp4_gluon, paged
 from app.kernels.decode_attention import decode_attention, decode_attention_ref
 from app.kernels.fp4 import FP4Format
-from kernels_testing import DEFAULT_FP4, block_tables, keys_like_llama, rel_err
+from kernels_testing import DEFAULT_FP4, cuda_fp4_pages
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,7 +48,8 @@ def test_compiles_for_hopper_as_designed():
     assert {(r["model"], r["kernel"]) for r in rows} == {
         (m, k) for m in ("8B", "70B-TP8")
         for k in ("Gluon fp4 kernel (cp.async ring)", "Gluon fp4 kernel, no key slots, one split",
-                  "Gluon fp4 kernel, loads into registers", "Gluon fp4 kernel, the engine's int64 tables and lengths")}
+                  "Gluon fp4 kernel, loads into registers", "Gluon fp4 kernel, the engine's int64 tables and lengths",
+                  "Gluon fp4 kernel, bf16 MMAs (fewer pairs)")}
     for r in rows:
         ops = r["ops"]
         assert r["stack"] == 0, f"register spills: {r}"
@@ -58,6 +61,9 @@ def test_compiles_for_hopper_as_designed():
         # 8 k-steps of S^T = K Q^T and 8 row tiles of O^T += V^T P^T per 16-token warp tile
         assert ops["HMMA"] == 16, r
         assert r["per_token_head"] < 45, r
+        # the code-to-number maps: fp16 operands take one E4M3 -> fp16x2 conversion (F2FP) per 2 codes, 32 per
+        # warp tile for the keys and 32 for the values; bf16 ones none (2 F2FP pack the probabilities either way)
+        assert ops.get("F2FP", 0) == (2 if r["kernel"].endswith("bf16 MMAs (fewer pairs)") else 66), r
 
 
 def test_unsupported_names_the_reason():
@@ -98,14 +104,23 @@ def test_num_stages_other_than_0_or_a_power_of_two_is_refused():
         assert decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, stages=stages).constexprs["STAGES"] == expect
 
 
-def _pages(seq_lens, kv_heads, block_size, formats, seed):
-    table, num_blocks = block_tables(seq_lens, block_size, seed)
-    gen = torch.Generator().manual_seed(seed)
-    k = keys_like_llama(num_blocks, block_size, kv_heads, 128, gen=gen)
-    v = torch.randn(num_blocks, block_size, kv_heads, 128, generator=gen)
-    kp, vp = (paged.quantize_pages(x, "fp4", f) for x, f in zip((k, v), formats))
-    cuda = [t.cuda() for t in (*kp, *vp)]
-    return table.cuda(), type(kp)(*cuda[:5]), type(vp)(*cuda[5:])
+@needs_gluon
+def test_fp16_maps_from_64_sequence_head_pairs(monkeypatch):
+    """The default code-to-number map: fp16 from F16_MIN_PAIRS (sequence, KV head) pairs, bf16 below;
+    F16 = True / False and fp16= override it."""
+    def f16(seqs, kv_heads, **kw):
+        q = torch.zeros(seqs, 4 * kv_heads, 128, dtype=torch.bfloat16)
+        k, v = (paged.quantize_pages(torch.zeros(1, 16, kv_heads, 128), "fp4", f) for f in DEFAULT_FP4)
+        table, lens = torch.zeros(seqs, 1, dtype=torch.int32), torch.ones(seqs, dtype=torch.int32)
+        return decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, **kw).constexprs["F16"]
+
+    assert decode_fp4_gluon.F16 is None and decode_fp4_gluon.F16_MIN_PAIRS == 64
+    assert (f16(1, 8), f16(7, 8), f16(8, 8), f16(32, 1), f16(64, 1)) == (False, False, True, False, True)
+    assert f16(8, 8, fp16=False) is False and f16(1, 1, fp16=True) is True
+    monkeypatch.setattr(decode_fp4_gluon, "F16", True)
+    assert f16(1, 1) is True
+    monkeypatch.setattr(decode_fp4_gluon, "F16", False)
+    assert f16(128, 8) is False
 
 
 def _worst_rel_err(out, ref):
@@ -127,7 +142,7 @@ SEQ_LENS = [1, 15, 16, 17, 63, 64, 65, 1025, 1027, 4099]
 @pytest.mark.parametrize("stages", [decode_fp4_gluon.STAGES, 0])
 def test_matches_reference_on_gpu(kv_heads, group, key_outliers, num_splits, stages):
     formats = (FP4Format(group_size=32, outliers=key_outliers), FP4Format(group_size=32))
-    table, kp, vp = _pages(SEQ_LENS, kv_heads, 16, formats, seed=kv_heads + group)
+    table, kp, vp = cuda_fp4_pages(SEQ_LENS, kv_heads, 16, formats, seed=kv_heads + group)
     query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
     assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) is None
     lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
@@ -142,12 +157,37 @@ def test_matches_reference_on_gpu(kv_heads, group, key_outliers, num_splits, sta
 
 @on_gpu
 @needs_gluon
+@pytest.mark.parametrize("fp16", [False, True])
+@pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 3)])
+@pytest.mark.parametrize("stages", [decode_fp4_gluon.STAGES, 0])
+def test_code_maps_match_reference_on_gpu(monkeypatch, fp16, kv_heads, group, stages):
+    """Both code-to-number maps (bf16 bit arithmetic; fp16 through E4M3), whichever the shape picks by
+    default, against the reference and the Triton kernel as above, with key outlier slots, one split and
+    many; values also x 1e4 and x 1e-4 (with fp16 the probabilities carry the values' second-level
+    exponents, which these move far from 2^0)."""
+    monkeypatch.setattr(decode_fp4_gluon, "F16", fp16)
+    for v_mult in (1.0, 1e4, 1e-4):
+        table, kp, vp = cuda_fp4_pages(SEQ_LENS, kv_heads, 16, DEFAULT_FP4, seed=kv_heads + group, v_mult=v_mult)
+        query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
+        lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
+        ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
+        triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), DEFAULT_FP4,
+                                      fp4_kernel=True)
+        for num_splits in (None, 7):
+            out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), DEFAULT_FP4,
+                                   num_splits=num_splits, gluon=True, num_stages=stages)
+            assert _worst_rel_err(out, ref) < 1e-2, (v_mult, num_splits)
+            assert _worst_rel_err(out, triton_out) < 1e-2, (v_mult, num_splits)
+
+
+@on_gpu
+@needs_gluon
 def test_default_route_is_gluon_with_engine_inputs_on_gpu():
     """What the engine passes: int64 block tables and sequence lengths, no kernel options, pages of
     32 tokens; also an fp16 query. The default call must be the Gluon kernel: its output equals the
     gluon=True call's bit for bit and differs from the Triton fp4 kernel's."""
     formats = DEFAULT_FP4
-    table, kp, vp = _pages(SEQ_LENS, 8, 32, formats, seed=3)
+    table, kp, vp = cuda_fp4_pages(SEQ_LENS, 8, 32, formats, seed=3)
     table = table.long()
     lens = torch.tensor(SEQ_LENS, dtype=torch.int64, device="cuda")
     for dtype in (torch.bfloat16, torch.float16):
@@ -169,7 +209,7 @@ def test_default_is_the_ring_on_gpu():
     float sums differ)."""
     for kv_heads, group in ((1, 8), (8, 4)):
         lens = [4099, 1027]
-        table, kp, vp = _pages(lens, kv_heads, 16, DEFAULT_FP4, seed=kv_heads)
+        table, kp, vp = cuda_fp4_pages(lens, kv_heads, 16, DEFAULT_FP4, seed=kv_heads)
         query = torch.randn(len(lens), kv_heads * group, 128, device="cuda").bfloat16()
         sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
         default, ring, registers = (
@@ -185,7 +225,7 @@ def test_default_is_the_ring_on_gpu():
 def test_64_bit_offsets_on_gpu(monkeypatch):
     """The int64 offset path that page arrays of 2 GiB or more take, forced on small pages."""
     monkeypatch.setattr(decode_fp4_gluon, "FORCE_OFF64", True)
-    table, kp, vp = _pages(SEQ_LENS, 8, 16, DEFAULT_FP4, seed=5)
+    table, kp, vp = cuda_fp4_pages(SEQ_LENS, 8, 16, DEFAULT_FP4, seed=5)
     query = torch.randn(len(SEQ_LENS), 32, 128, device="cuda").bfloat16()
     lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
     for num_splits, stages in ((None, 0), (1, 0), (None, decode_fp4_gluon.STAGES), (1, decode_fp4_gluon.STAGES)):
@@ -199,7 +239,7 @@ def test_64_bit_offsets_on_gpu(monkeypatch):
 @needs_gluon
 def test_falls_back_outside_its_scope_on_gpu():
     formats = (FP4Format(group_size=16, outliers=1), FP4Format(group_size=16))
-    table, kp, vp = _pages([100], 2, 16, formats, seed=0)
+    table, kp, vp = cuda_fp4_pages([100], 2, 16, formats, seed=0)
     query = torch.randn(1, 8, 128, device="cuda").bfloat16()
     assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) == "groups other than 32"
     lens = torch.tensor([100], device="cuda")

@@ -21,6 +21,14 @@ layout-level language), chosen so that nothing moves between threads except the 
   softmax (max, sum, O^T); the four states merge once at the end. The probabilities change from
   the MMA result layout to the operand layout within a warp (shuffles). Whole tiles run without
   masks, the last one with them.
+- Code-to-number maps, two ways (F16). bf16: paged._FP4_UNPACK_BODY's shifts and masks put each code
+  into bf16 bits and one bf16x2 multiply per pair applies the group scale (and the bias). fp16: a code
+  (s, e1 e0, m) placed as the byte s.00e1e0.m00 is E4M3 for its value x 2^-6, so shifts and masks
+  make E4M3 words of 4 codes (7 instructions per 8 codes), the hardware's cvt.f16x2.e4m3x2 widens two
+  codes at a time and an fp16x2 multiply applies the scale; the query goes to fp16 scaled by a power
+  of two, and the probabilities to fp16 with each token's value exponent folded into the softmax max
+  (so they are at most 1 whatever the values' magnitudes). Fewer instructions, longer dependency
+  chains: the default picks by the number of (sequence, KV head) pairs (fp16_for).
 - Loads, two ways (STAGES). 0: each tile's words are loaded into registers where they are used; the
   loop has no shared memory and no barrier. 4: a ring of 4 tiles in shared memory that cp.async fills
   2 tiles ahead of the one attended (39 KiB per program); the loop reads its tile from shared memory,
@@ -88,6 +96,44 @@ _V_UNPACK_PTX = ("""
 _K_UNPACK_PTX = paged._FP4_UNPACK_PTX.value.replace("$6", "$5")
 
 
+# F16 (fp16 MMAs), keys: one word of code bytes ($4) and the group scale as an fp16x2 word ($5) ->
+# the registers _K_UNPACK_PTX writes, in fp16. A code (s, e1 e0, m) placed as the byte s.00e1e0.m00 is
+# E4M3 for its E2M1 value x 2^-6 (the subnormal 0.5 too), so two shifts and masks per 4 codes make E4M3
+# words of the low and the high nibbles, the hardware's cvt.f16x2.e4m3x2 widens two bytes at a time,
+# and the scale multiplies: code x 2^-6 x scale, exact in fp16 (at most 6 x 448 x 2^-6, at least
+# 0.5 x 2^-6 x 2^-6).
+_E4M3_OF_WORD = """
+  shl.b32 t, {w}, 2; shl.b32 s, {w}, 4; and.b32 t, t, 0x1C1C1C1C; and.b32 s, s, 0x80808080; or.b32 {lo}, t, s;
+  shr.b32 t, {w}, 2; and.b32 s, {w}, 0x80808080; and.b32 t, t, 0x1C1C1C1C; or.b32 {hi}, t, s;"""
+
+
+def _f16_pair(x: str, out0: str, out1: str, scale: str) -> str:
+    """The two fp16x2 words of E4M3 word `x` (bytes 0, 1 and 2, 3), times `scale`."""
+    return f"""
+  mov.b32 {{x0, x1}}, {x};
+  cvt.rn.f16x2.e4m3x2 t, x0; mul.rn.f16x2 {out0}, t, {scale};
+  cvt.rn.f16x2.e4m3x2 t, x1; mul.rn.f16x2 {out1}, t, {scale};"""
+
+
+_K16_UNPACK_PTX = ("""
+{
+  .reg .b32 t, s, lo, hi;
+  .reg .b16 x0, x1;""" + _E4M3_OF_WORD.format(w="$4", lo="lo", hi="hi") + _f16_pair("lo", "$0", "$1", "$5")
+                   + _f16_pair("hi", "$2", "$3", "$5") + "\n}\n")
+
+# F16, values: code words of tokens a ($8) and b ($9) and their scales as one fp16x2
+# word ($10) -> the 8 registers _V_UNPACK_PTX writes, in fp16: each word to E4M3 as in _K16_UNPACK_PTX,
+# then one prmt pairs the two tokens' bytes before each widening.
+_V16_UNPACK_PTX = ("""
+{
+  .reg .b32 t, s, la, ha, lb, hb, x;
+  .reg .b16 x0, x1;""" + _E4M3_OF_WORD.format(w="$8", lo="la", hi="ha") + _E4M3_OF_WORD.format(w="$9", lo="lb", hi="hb")
+                   + "\n  prmt.b32 x, la, lb, 0x5140;" + _f16_pair("x", "$0", "$1", "$10")
+                   + "\n  prmt.b32 x, ha, hb, 0x5140;" + _f16_pair("x", "$2", "$3", "$10")
+                   + "\n  prmt.b32 x, la, lb, 0x7362;" + _f16_pair("x", "$4", "$5", "$10")
+                   + "\n  prmt.b32 x, ha, hb, 0x7362;" + _f16_pair("x", "$6", "$7", "$10") + "\n}\n")
+
+
 def _linear(reg, lane, shape):
     """A linear layout over [W, ...] with the warps on dim 0 and the given register and lane bases."""
     warps = [[1] + [0] * (len(shape) - 1), [2] + [0] * (len(shape) - 1)]
@@ -130,19 +176,33 @@ if AVAILABLE:
                                          is_pure=True, pack=2)
 
     @gluon.jit
-    def _unpack_k(codes, scale):
+    def _as_f16_pairs(x):
+        """_as_bf16_pairs for fp16 halves."""
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [gl.join(x, x)], dtype=gl.float16,
+                                         is_pure=True, pack=2)
+
+    @gluon.jit
+    def _unpack_k(codes, scale, F16: gl.constexpr):
         """codes [W, TW, 4, 4] int32 (bytes 16t + 4w..), bf16x2 scale words [W, TW, 4] (bf16_scales) ->
         K [W, TW, 128] bf16 in the A-operand layout, k = 16 j + 8 h + 2 t + x holding head dimension
-        32 t + 4 j + 2 x + h (value x scale x 2^-8)."""
+        32 t + 4 j + 2 x + h (value x scale x 2^-8). F16: fp16x2 scale words (f16_scales) -> K in fp16,
+        value x scale x 2^-6 (_K16_UNPACK_PTX)."""
         WN: gl.constexpr = codes.shape[0]
         TW: gl.constexpr = codes.shape[1]
         sw = gl.expand_dims(scale, 3).broadcast_to(codes.shape)
-        lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
-            _K_UNPACK_PTX_C, "=r,=r,=r,=r,r,r", [codes, sw], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-            is_pure=True, pack=1)
         # byte 4w + 2q + e of the thread's 16: nibble of word w, pair q, element e
-        lo = gl.join(_as_bf16_pairs(lo01), _as_bf16_pairs(lo23))  # [W, TW, 4 t, 4 w, 2 e, 2 q]
-        hi = gl.join(_as_bf16_pairs(hi01), _as_bf16_pairs(hi23))
+        if F16:
+            lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
+                _K16_UNPACK_PTX_C, "=r,=r,=r,=r,r,r", [codes, sw], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                is_pure=True, pack=1)
+            lo = gl.join(_as_f16_pairs(lo01), _as_f16_pairs(lo23))
+            hi = gl.join(_as_f16_pairs(hi01), _as_f16_pairs(hi23))
+        else:
+            lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
+                _K_UNPACK_PTX_C, "=r,=r,=r,=r,r,r", [codes, sw], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                is_pure=True, pack=1)
+            lo = gl.join(_as_bf16_pairs(lo01), _as_bf16_pairs(lo23))  # [W, TW, 4 t, 4 w, 2 e, 2 q]
+            hi = gl.join(_as_bf16_pairs(hi01), _as_bf16_pairs(hi23))
         k = gl.join(lo, hi)  # [W, TW, t, w, e, q, nibble]
         k = gl.permute(k, [0, 1, 3, 5, 6, 2, 4])  # [W, TW, w, q, nibble, t, e]: j = 2 w + q, x = e
         return gl.reshape(k, [WN, TW, 128])
@@ -157,21 +217,40 @@ if AVAILABLE:
         return a | (b << 16)
 
     @gluon.jit
-    def _unpack_v(ca, cb, scale):
+    def f16_scales(sbits_a, sbits_b):
+        """E4M3 scale bits (never subnormal) of two tokens -> one fp16x2 word of the scales themselves:
+        bits x 128 puts E4M3's fields into fp16's, and 0x2000 = 8 << 10 adds the bias difference 15 - 7."""
+        a = sbits_a.to(gl.int32) * 128 + 0x2000
+        b = sbits_b.to(gl.int32) * 128 + 0x2000
+        return a | (b << 16)
+
+    @gluon.jit
+    def _unpack_v(ca, cb, scale, F16: gl.constexpr):
         """V code words of tokens 2p and 2p+1 [W, TW/2, 8 (g), 2] int32 with their bf16x2 scales
         [W, TW/2, 8] -> V^T [W, 128, TW] bf16 in the A-operand layout: row 16 i + 8 h + g holds head
-        dimension 16 g + 2 i + h, column the token."""
+        dimension 16 g + 2 i + h, column the token. F16: fp16x2 scales (f16_scales) -> fp16, value x
+        scale x 2^-6 (_V16_UNPACK_PTX)."""
         WN: gl.constexpr = ca.shape[0]
         P2: gl.constexpr = ca.shape[1]
         TW: gl.constexpr = 2 * P2
         sw = gl.expand_dims(scale, 3).broadcast_to(ca.shape)
-        l0, l1, h0, h1, l2, l3, h2, h3 = gl.inline_asm_elementwise(
-            _V_UNPACK_PTX_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [ca, cb, sw],
-            dtype=(gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32),
-            is_pure=True, pack=1)
         # l_c (h_c): low (high) nibbles of byte c = 2q + p of the word, tokens (2 pair, 2 pair + 1)
-        lo = gl.join(gl.join(_as_bf16_pairs(l0), _as_bf16_pairs(l1)), gl.join(_as_bf16_pairs(l2), _as_bf16_pairs(l3)))
-        hi = gl.join(gl.join(_as_bf16_pairs(h0), _as_bf16_pairs(h1)), gl.join(_as_bf16_pairs(h2), _as_bf16_pairs(h3)))
+        if F16:
+            l0, l1, h0, h1, l2, l3, h2, h3 = gl.inline_asm_elementwise(
+                _V16_UNPACK_PTX_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [ca, cb, sw],
+                dtype=(gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32),
+                is_pure=True, pack=1)
+            lo = gl.join(gl.join(_as_f16_pairs(l0), _as_f16_pairs(l1)), gl.join(_as_f16_pairs(l2), _as_f16_pairs(l3)))
+            hi = gl.join(gl.join(_as_f16_pairs(h0), _as_f16_pairs(h1)), gl.join(_as_f16_pairs(h2), _as_f16_pairs(h3)))
+        else:
+            l0, l1, h0, h1, l2, l3, h2, h3 = gl.inline_asm_elementwise(
+                _V_UNPACK_PTX_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [ca, cb, sw],
+                dtype=(gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32),
+                is_pure=True, pack=1)
+            lo = gl.join(gl.join(_as_bf16_pairs(l0), _as_bf16_pairs(l1)),
+                         gl.join(_as_bf16_pairs(l2), _as_bf16_pairs(l3)))
+            hi = gl.join(gl.join(_as_bf16_pairs(h0), _as_bf16_pairs(h1)),
+                         gl.join(_as_bf16_pairs(h2), _as_bf16_pairs(h3)))
         v = gl.join(lo, hi)  # [W, pair, g, w, y, p, q, nibble]: byte 4w + 2q + p of token 2 pair + y
         v = gl.reshape(v, [WN, P2 // 4, 4, 8, 2, 2, 2, 2, 2])  # pair = 4 qq + t
         v = gl.permute(v, [0, 4, 7, 6, 8, 3, 1, 2, 5])  # [W, w, q, p, nibble, g, qq, t, y]
@@ -179,6 +258,8 @@ if AVAILABLE:
 
     _V_UNPACK_PTX_C: gl.constexpr = gl.constexpr(_V_UNPACK_PTX)
     _K_UNPACK_PTX_C: gl.constexpr = gl.constexpr(_K_UNPACK_PTX)
+    _K16_UNPACK_PTX_C: gl.constexpr = gl.constexpr(_K16_UNPACK_PTX)
+    _V16_UNPACK_PTX_C: gl.constexpr = gl.constexpr(_V16_UNPACK_PTX)
 
     @gluon.jit
     def _tile_base(bt_row, n_w, end, BS: gl.constexpr, H: gl.constexpr, h, OFF64: gl.constexpr,
@@ -353,19 +434,35 @@ if AVAILABLE:
     @gluon.jit
     def _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, tile, w_s, r_s, n_s3, sm_scale_log2, GROUP: gl.constexpr,
                      TW: gl.constexpr, K_KO: gl.constexpr, MASKED: gl.constexpr, A_OP: gl.constexpr,
-                     B_OP: gl.constexpr):
+                     B_OP: gl.constexpr, F16: gl.constexpr):
         """One tile (_load_tile's registers): tokens n0 + TW w + r for each warp w, its own online softmax
         state (m_i [W, NH], per-thread partial sums l_i [W, TW, NH], O^T acc [W, D, NH]). MASKED: tokens
-        at or past `end` may be in the tile (the partial one), else every score is taken as is."""
+        at or past `end` may be in the tile (the partial one), else every score is taken as is.
+        sm_scale_log2: the factor the unpacked keys and qt leave out of the scores (F16: [W, 1], qt being
+        in fp16 scaled per warp). F16: m_i is the running max of score + log2 of the token's value
+        factor, see below."""
         kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = tile
         ms = n0 + TW * w_s + r_s < end  # [W, TW]
         # K -> S^T = K Q^T
-        ka = gl.convert_layout(_unpack_k(kc, bf16_scales(ks, ks)), A_OP, assert_trivial=True)
+        if F16:
+            ka = gl.convert_layout(_unpack_k(kc, f16_scales(ks, ks), True), A_OP, assert_trivial=True)
+        else:
+            ka = gl.convert_layout(_unpack_k(kc, bf16_scales(ks, ks), False), A_OP, assert_trivial=True)
         s = mma_v2(ka, qt, gl.zeros_like(l_i))
         fk = _pow2_scale(ek) * sm_scale_log2
         s = s * gl.expand_dims(fk, 2)
         if K_KO == 4:
             s = _key_outliers(s, qt_cols, n_s3 < GROUP, iw, vw0, vw1, ms, GROUP, MASKED)
+        if F16:
+            # V^T in fp16 is value x 2^-6 x scale (exact), so a token's probability goes to the MMA as
+            # p x 2^(scale_exp - 121) in fp16, and fp16's range holds that only near 1: the exponent joins the
+            # score (s + scale_exp - 121, the max taken over that), so the operand is at most 1 and exact to
+            # fp16's 11 bits relative to the largest term whatever the values' magnitudes; the sums l_i
+            # take the probabilities back by 2^(121 - scale_exp).
+            evc = gl.minimum(ev, 246)
+            e_log2 = (evc | 0x4B000000).to(gl.float32, bitcast=True) - (8388608.0 + 121.0)  # exact
+            s = s + gl.expand_dims(e_log2, 2)
+            inv_fv = ((248 - evc) << 23).to(gl.float32, bitcast=True)  # 2^(121 - scale_exp)
         # online softmax, base 2, per warp and query head
         if MASKED:
             s = gl.where(gl.expand_dims(ms, 2), s, float("-inf"))
@@ -376,11 +473,16 @@ if AVAILABLE:
             m_use = m_new
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - gl.expand_dims(m_use, 1))
-        l_i = l_i * gl.expand_dims(alpha, 1) + p
-        fv = _pow2_scale(ev)
-        pt = gl.convert_layout((p * gl.expand_dims(fv, 2)).to(gl.bfloat16), B_OP)
         # V -> O^T += V^T P^T; V^T's columns are token pairs (2 pair, 2 pair + 1)
-        vt = gl.convert_layout(_unpack_v(ca, cb, bf16_scales(sa, sb)), A_OP, assert_trivial=True)
+        if F16:
+            l_i = l_i * gl.expand_dims(alpha, 1) + p * gl.expand_dims(inv_fv, 2)
+            pt = gl.convert_layout(p.to(gl.float16), B_OP)
+            vt = gl.convert_layout(_unpack_v(ca, cb, f16_scales(sa, sb), True), A_OP, assert_trivial=True)
+        else:
+            l_i = l_i * gl.expand_dims(alpha, 1) + p
+            fv = _pow2_scale(ev)
+            pt = gl.convert_layout((p * gl.expand_dims(fv, 2)).to(gl.bfloat16), B_OP)
+            vt = gl.convert_layout(_unpack_v(ca, cb, bf16_scales(sa, sb), False), A_OP, assert_trivial=True)
         acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
         return m_new, l_i, acc
 
@@ -394,6 +496,7 @@ if AVAILABLE:
         TW: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
         K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, COPY_ROW: gl.constexpr, COPY_ROW2: gl.constexpr,
         S_ROW2: gl.constexpr, V_SCALE2: gl.constexpr, OFF64: gl.constexpr, STAGES: gl.constexpr,
+        F16: gl.constexpr,
     ):
         D: gl.constexpr = 128
         WN: gl.constexpr = 4
@@ -428,10 +531,25 @@ if AVAILABLE:
         q_mask = gl.expand_dims(gl.expand_dims(nq < GROUP, 0), 1)
         wq = gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_OP)))
         q_off = q_off + gl.expand_dims(gl.expand_dims(wq * 0, 1), 2)
-        qt = gl.load(q_base + q_off, mask=q_mask & (q_off >= 0), other=0.0).to(gl.bfloat16)
+        qf = gl.load(q_base + q_off, mask=q_mask & (q_off >= 0), other=0.0)
+        S_ROW: gl.constexpr = gl.SliceLayout(2, MMA)  # [WN, TW] rows of S^T
+        if F16:
+            # fp16 (11 significant bits, bf16's 8 exact) with a power of two F per warp (each warp holds the
+            # whole query) that brings the largest element to [2^13, 2^14): no overflow, nothing below
+            # fp16's normal range but elements 2^-27 of the largest
+            qf = qf.to(gl.float32)
+            amax = gl.max(gl.max(gl.abs(qf), 2), 1)  # [WN], within each warp
+            f = (gl.minimum(gl.maximum(267 - (amax.to(gl.int32, bitcast=True) >> 23), 1), 254) << 23).to(
+                gl.float32, bitcast=True)  # 2^(13 - floor(log2 amax))
+            qt = (qf * gl.expand_dims(gl.expand_dims(f, 1), 2)).to(gl.float16)
+            # the keys come out as value x 2^-6 x scale, _pow2_scale leaves 2^8 out: 2^(6 - 8) / F
+            k_factor = gl.expand_dims(gl.convert_layout(sm_scale_log2 * 0.25 / f, gl.SliceLayout(1, S_ROW),
+                                                        assert_trivial=True), 1)
+        else:
+            qt = qf.to(gl.bfloat16)
+            k_factor = sm_scale_log2
 
         # index vectors in each layout
-        S_ROW: gl.constexpr = gl.SliceLayout(2, MMA)  # [WN, TW] rows of S^T
         w_s = gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, S_ROW)), 1)
         r_s = gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, S_ROW)), 0)
         n_s = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
@@ -465,12 +583,12 @@ if AVAILABLE:
             lidx = (w_k, r_k, w_s, r_s, w_v, p_v, off_kc, off_ks, off_vc, off_vs)
             for n0 in range(start, full_end, tile):  # whole tiles: no masks
                 data = _load_tile(n0, end, bt_row, h, pages, lidx, BS, H, TW, K_KO, OFF64, False)
-                m_i, l_i, acc = _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, data, w_s, r_s, n_s3, sm_scale_log2,
-                                             GROUP, TW, K_KO, False, A_OP, B_OP)
+                m_i, l_i, acc = _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, data, w_s, r_s, n_s3, k_factor,
+                                             GROUP, TW, K_KO, False, A_OP, B_OP, F16)
             if full_end < end:  # the last, partial tile
                 data = _load_tile(full_end, end, bt_row, h, pages, lidx, BS, H, TW, K_KO, OFF64, True)
                 m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qt_cols, data, w_s, r_s, n_s3,
-                                             sm_scale_log2, GROUP, TW, K_KO, True, A_OP, B_OP)
+                                             k_factor, GROUP, TW, K_KO, True, A_OP, B_OP, F16)
         else:  # a ring of STAGES tiles in shared memory, filled by cp.async STAGES - 2 tiles ahead
             # unswizzled, row-major, each stage's layout (the leading dim is the stage)
             SL3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -517,7 +635,7 @@ if AVAILABLE:
                 _barrier()  # ... for every thread
                 data = _read_tile(bufs, 0, shifts, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, K_KO)
                 m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qt_cols, data, w_s, r_s, n_s3,
-                                             sm_scale_log2, GROUP, TW, K_KO, True, A_OP, B_OP)
+                                             k_factor, GROUP, TW, K_KO, True, A_OP, B_OP, F16)
                 if STAGES - 1 < n_tiles:  # tile STAGES - 1 into stage STAGES - 1
                     _issue_tile(bufs, STAGES - 1, start + (STAGES - 2) * tile, end, bt_row, h, pages, cidx, BS, H,
                                 TW, K_KO, OFF64, False)
@@ -528,7 +646,7 @@ if AVAILABLE:
                 data = _read_tile(bufs, k % STAGES, shifts, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, K_KO)
                 n0 = start + (k - has_part) * tile
                 m_i, l_i, acc = _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, data, w_s, r_s, n_s3,
-                                             sm_scale_log2, GROUP, TW, K_KO, False, A_OP, B_OP)
+                                             k_factor, GROUP, TW, K_KO, False, A_OP, B_OP, F16)
                 if k + STAGES - 1 < n_tiles:  # into the stage tile k - 1 used
                     _issue_tile(bufs, (k + STAGES - 1) % STAGES, n0 + (STAGES - 1) * tile, end, bt_row, h, pages,
                                 cidx, BS, H, TW, K_KO, OFF64, False)
@@ -597,7 +715,7 @@ class Launch:
     (cached) to size the splits from its registers, run() launches it."""
 
     def __init__(self, query, k_pages, v_pages, block_tables, seq_lens, sm_scale_log2: float, k_outliers: int,
-                 maxnreg: int | None = None, stages: int | None = None):
+                 maxnreg: int | None = None, stages: int | None = None, fp16: bool | None = None):
         num_seqs, num_heads, _ = query.shape
         _, bs, num_kv_heads, _ = k_pages.codes.shape
         group = num_heads // num_kv_heads
@@ -618,7 +736,7 @@ class Launch:
         self.constexprs = dict(
             H=num_kv_heads, GROUP=group, BS=bs, K_KO=k_outliers, TW=TW,
             OFF64=FORCE_OFF64 or max(k_pages.codes.numel(), v_pages.codes.numel()) >= 2 ** 31, **_layouts_cached(),
-            STAGES=stages,
+            STAGES=stages, F16=fp16_for(num_seqs, num_kv_heads) if fp16 is None else fp16,
             num_warps=W, **({"maxnreg": maxnreg} if maxnreg else {}))
 
     def programs_per_sm(self) -> int:
@@ -643,8 +761,8 @@ class Launch:
             by_smem = smem_sm // (kernel.metadata.shared + 1024)  # 1 KiB per program is the system's
             _PROGRAMS_PER_SM[key] = max(1, min(PLAN_PROGRAMS_PER_SM, 65536 // (regs * 32 * W), by_smem))
             c = self.constexprs
-            REGISTERS[(c["GROUP"], c["K_KO"], c.get("maxnreg"), c["STAGES"])] = kernel.n_regs
-            SHARED[(c["GROUP"], c["K_KO"], c["STAGES"])] = kernel.metadata.shared
+            REGISTERS[(c["GROUP"], c["K_KO"], c.get("maxnreg"), c["STAGES"], c["F16"])] = kernel.n_regs
+            SHARED[(c["GROUP"], c["K_KO"], c["STAGES"], c["F16"])] = kernel.metadata.shared
         return _PROGRAMS_PER_SM[key]
 
     def run(self, out, part_o, part_lse, split_size: int, num_splits: int) -> None:
@@ -659,10 +777,26 @@ PLAN_PROGRAMS_PER_SM = 4
 # the H200 the ring was faster than loads into registers in 12 of 16 rows for the 8B shape
 # (0.97-1.16x) and 15 of 16 for 70B at TP 8 (0.98-1.10x); bench/RESULTS.md, "fp4 decode, fourth pass".
 STAGES = 4
+# Keys and values through fp16 MMAs, the codes widened by the hardware's E4M3 -> fp16 conversion
+# (_K16_UNPACK_PTX, _V16_UNPACK_PTX: 36.6 loop instructions per (token, KV head) for the 8B shape), or
+# through bf16 MMAs on bf16 bit arithmetic (paged._FP4_UNPACK_BODY: 38.6). The fp16 loop issues fewer
+# instructions but its conversions lengthen each tile's dependency chain: on the H200, in two runs, it
+# was 1-8% faster for the 8B shape from 8k tokens and batch 8 (64 (sequence, KV head) pairs and more)
+# and for 70B at TP 8 at batch 128, and 1-5% slower at batch 1, for 70B up to batch 32 (8 to 32 pairs)
+# and at 1k tokens; bench/RESULTS.md, "fp4 decode, fifth pass". None: fp16 from F16_MIN_PAIRS
+# (sequence, KV head) pairs; True / False: always / never.
+F16: bool | None = None
+F16_MIN_PAIRS = 64
+
+
+def fp16_for(num_seqs: int, num_kv_heads: int) -> bool:
+    """Whether a decode of this many sequences and KV heads runs the fp16 MMAs (F16)."""
+    return F16 if F16 is not None else num_seqs * num_kv_heads >= F16_MIN_PAIRS
+
 FORCE_OFF64 = False  # 64-bit page offsets even for small caches (tests: the path caches of 2 GiB+ per array take)
 _PROGRAMS_PER_SM: dict = {}
-REGISTERS: dict = {}  # (query heads per KV head, key outlier slots, maxnreg, stages) -> registers per thread
-SHARED: dict = {}  # (query heads per KV head, key outlier slots, stages) -> shared memory bytes per program
+REGISTERS: dict = {}  # (query heads per KV head, key outlier slots, maxnreg, stages, F16) -> registers per thread
+SHARED: dict = {}  # (query heads per KV head, key outlier slots, stages, F16) -> shared memory bytes per program
 _LAYOUTS: dict = {}
 
 
