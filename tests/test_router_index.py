@@ -85,15 +85,26 @@ def test_wire_format_round_trip_and_vllm_layout():
     payload = encode_batch(123.5, events)
     ts, back = decode_batch(payload)
     assert ts == 123.5 and back == events
-    # vLLM's layout: [ts, [[tag, fields...], ...]] with lora_id and medium after block_size
+    # vLLM 0.32's layout: [ts, [{"type": tag, field: value, ...}, ...], data_parallel_rank]
     raw = msgpack.unpackb(payload)
-    assert raw == [123.5, [["BlockStored", [11, 12], None, list(range(8)), 4, None, None],
-                           ["BlockRemoved", [11], None], ["AllBlocksCleared"]]]
-    # a vLLM batch with a trailing data_parallel_rank and events without the optional fields
-    vllm = msgpack.packb([1.0, [["BlockStored", [5], 4, [1, 2], 2, None, "gpu"], ["BlockRemoved", [5]]], 0])
-    assert decode_batch(vllm) == (1.0, [BlockStored([5], 4, [1, 2], 2), BlockRemoved([5])])
+    assert raw == [123.5, [{"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None,
+                            "token_ids": list(range(8)), "block_size": 4, "lora_id": None, "medium": "GPU",
+                            "lora_name": None},
+                           {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU"},
+                           {"type": "AllBlocksCleared"}], 0]
+    # what vLLM 0.32 sends (its extra fields included), and the array layout of earlier versions
+    vllm = msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [b"\x05" * 32], "parent_block_hash": 4,
+                                 "token_ids": [1, 2], "block_size": 2, "lora_id": None, "medium": "GPU",
+                                 "lora_name": None, "extra_keys": [None], "group_idx": 0,
+                                 "kv_cache_spec_kind": "full_attention"},
+                                {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"}], 0])
+    assert decode_batch(vllm) == (1.0, [BlockStored([b"\x05" * 32], 4, [1, 2], 2, [None]), BlockRemoved([5])])
+    older = msgpack.packb([1.0, [["BlockStored", [5], 4, [1, 2], 2, None, "gpu"], ["BlockRemoved", [5]]]])
+    assert decode_batch(older) == (1.0, [BlockStored([5], 4, [1, 2], 2), BlockRemoved([5])])
     with pytest.raises(ValueError, match="unknown or short KV event"):
         event_from_wire(["BlockMoved", [1]])
+    with pytest.raises(ValueError, match="lacks a field"):
+        event_from_wire({"type": "BlockStored", "block_hashes": [1]})
 
 
 def _engine_after_one_prompt(stories_paths):

@@ -8,7 +8,8 @@ KV events, in numbered batches, and its engine stats (each time Ray Serve calls
 KV-aware routers follow and /metrics reads.
 
 The engine class is injected (`engine_cls`), so a test can run the server on any engine with the
-same interface; by default it is AsyncLLMEngine over our LLMEngine.
+same interface; by default it is the one `engine.backend` names: AsyncLLMEngine over our
+LLMEngine ("native"), or VLLMEngine over vLLM's AsyncLLM ("vllm", app/engine/vllm_engine.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from app.config import ServerConfig
 from app.engine.async_engine import AsyncLLMEngine
 from app.engine.engine import RequestOutput
 from app.engine.kv_events import KVEvent
-from app.engine.sampling_params import SamplingParams
 from app.deployments import logs
 from app.deployments.types import GenerateRequest, ModelInfo
 from app.router.events import encode_batch
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 class LLMServer:
     """The engine replica. Ray Serve deployment name: LLMServer (see builder.py)."""
 
-    def __init__(self, config: ServerConfig | dict, engine_cls=AsyncLLMEngine, kv_index=None) -> None:
+    def __init__(self, config: ServerConfig | dict, engine_cls=None, kv_index=None) -> None:
         """`kv_index`: the handle of the application's KVIndex deployment; binding it here makes it
         part of the application (the replica talks to the actor it owns, by name)."""
         self.config = config = ServerConfig.model_validate(config)
@@ -52,8 +52,11 @@ class LLMServer:
         self._last_cut = time.monotonic()
         self._index_epoch: str | None = None  # the index's epoch when this replica last heard it
         self._status_ref = None  # an index.status call in flight (polled without waiting)
+        self._zmq = _zmq_publisher(config.kv_events_endpoint) if config.kv_events_endpoint else None
         t0 = time.perf_counter()
-        self.engine = engine_cls(
+        if engine_cls is None and config.engine.backend == "vllm":
+            from app.engine.vllm_engine import VLLMEngine as engine_cls
+        self.engine = (engine_cls or AsyncLLMEngine)(
             config.engine, max_queued_requests=config.max_queued_requests, on_kv_events=self._on_kv_events,
             request_timeout_s=config.request_timeout_s, step_timeout_s=config.step_timeout_s
         )
@@ -101,7 +104,10 @@ class LLMServer:
 
     def stats(self) -> dict:
         """Engine state and counters (as of the latest step), as reported to the index."""
-        return {**self.engine.snapshot, "replica_id": self.replica_id, "kv_event_seq": self._next_batch_seq - 1}
+        s = {**self.engine.snapshot, "replica_id": self.replica_id, "kv_event_seq": self._next_batch_seq - 1}
+        if self._zmq is not None:
+            s["kv_events_endpoint"], s["kv_events_replay_endpoint"] = self._zmq.endpoint, self._zmq.replay_endpoint
+        return s
 
     def record_routing_stats(self) -> dict:
         """Ray Serve's hook (request_router_config.request_routing_stats_period_s), called every
@@ -174,13 +180,38 @@ class LLMServer:
             self._next_batch_seq += 1
             # Numbered even while no index is there: a new index sees the gap and asks for a resync.
             index = self._index
+            payload = encode_batch(time.time(), events)
             if index is not None:
-                index.publish.remote(self.replica_id, seq, encode_batch(time.time(), events))
+                index.publish.remote(self.replica_id, seq, payload)
+            if self._zmq is not None:
+                self._zmq.publish_payload(payload)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        if getattr(self, "_zmq", None) is not None:
+            self._zmq.close()
+
+
+def _zmq_publisher(endpoint: str):
+    """The ZMQ publisher of kv_events_endpoint; a tcp endpoint names this node's address."""
+    from app.router.zmq_events import ZmqEventPublisher
+
+    if endpoint.startswith("ipc://"):
+        return ZmqEventPublisher(endpoint, endpoint + "-replay")
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+    pub = ZmqEventPublisher(endpoint, f"tcp://{host}:0")
+    if host in ("*", "0.0.0.0"):  # say where to connect: this node's address
+        try:
+            import ray
+
+            node = ray.util.get_node_ip_address()
+        except Exception:  # outside Ray
+            node = "127.0.0.1"
+        pub.endpoint = pub.endpoint.replace(f"tcp://{host}:", f"tcp://{node}:")
+        pub.replay_endpoint = pub.replay_endpoint.replace(f"tcp://{host}:", f"tcp://{node}:")
+    return pub
 
 
 def _replica_identity() -> tuple[str, str | None]:

@@ -110,6 +110,9 @@ def resolve_tokenizer(config: EngineConfig, vocab_size: int) -> Tokenizer:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         self.config = config = config or EngineConfig(**kwargs)
+        if config.backend != "native":
+            raise ValueError(f"LLMEngine is the native backend; engine.backend {config.backend!r} runs in an "
+                             "LLMServer replica (app/engine/vllm_engine.py)")
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # Everything that can be refused is checked before the weights load.

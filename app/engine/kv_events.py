@@ -19,6 +19,8 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
+    # Per block, what else its hash covers (vLLM: LoRA name, multimodal ids, cache salt); None: nothing.
+    extra_keys: list | None = None
 
 
 @dataclass(frozen=True, slots=True)
