@@ -187,3 +187,21 @@ def test_bad_requests_get_typed_errors_and_abort_frees_the_request(engine):
     assert _run(engine, drop_stream())
     engine.check_health()
     assert engine.snapshot["num_requests_total"] >= 2 and engine.snapshot["num_kv_blocks"] == engine.num_kv_blocks
+
+
+def test_a_request_after_a_long_idle_is_not_taken_for_a_stall(engine):
+    """check_health fails when vLLM gave no output for step_timeout_s while requests ran; the
+    time before the first request after an idle hour does not count."""
+    engine._last_progress -= 3600
+    engine.step_timeout_s = 300
+
+    async def health_while_starting():
+        gen = engine.generate(list(range(3, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)  # the request is added; vLLM has not answered yet
+        engine.check_health()
+        await first
+        async for _ in gen:
+            pass
+
+    _run(engine, health_while_starting())

@@ -31,6 +31,7 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -300,8 +301,6 @@ class VLLMEngine:
         RequestTimeoutError past request_timeout_s. Stopping early aborts the request in vLLM."""
         self.check_health()
         prompt_ids, params = self._validate(prompt, params)
-        import uuid
-
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._active:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -309,6 +308,8 @@ class VLLMEngine:
             raise EngineOverloadedError(f"{len(self._waiting)} requests are queued (max_queued_requests="
                                         f"{self.max_queued_requests}); retry later")
         choices = [_Choice(i, request_id if params.n == 1 else f"{request_id}#{i}") for i in range(params.n)]
+        if not self._active:  # the stall clock (check_health) starts with the first request after idling
+            self._last_progress = time.monotonic()
         self._active[request_id] = [c.vllm_id for c in choices]
         self._waiting[request_id] = len(prompt_ids)
         self.num_requests_total += 1
