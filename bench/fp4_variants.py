@@ -2,7 +2,7 @@
 
     python3 bench/fp4_variants.py --json $OUT/variants.json [--skip accuracy|decode] [--variants bf16,fp16]
 
-Variants (decode_fp4_gluon.F16 set around each call; --variants picks):
+Variants (decode_attention's fp16= on each call; --variants picks):
   default  the committed default: fp16 from F16_MIN_PAIRS (sequence, KV head) pairs, else bf16;
   bf16     bf16 MMAs, the PTX unpack multiplying by the group scale (paged._FP4_UNPACK_BODY);
   fp16     fp16 MMAs: E2M1 -> E4M3 by shifts, the hardware's E4M3 -> fp16x2 conversion (the probabilities
@@ -29,28 +29,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from app.kernels import decode_fp4_gluon  # noqa: E402
-from app.kernels.decode_attention import (_merge_splits, _split_buffers, decode_attention,  # noqa: E402
-                                          decode_attention_ref, num_splits_for)
+from app.kernels.attention_ref import decode_attention_ref  # noqa: E402
+from app.kernels.decode_attention import _merge_splits, _split_buffers, decode_attention, num_splits_for  # noqa: E402
 from app.kernels.fp4 import FP4Format  # noqa: E402
 from bench.kernels import (DEV, FORMATS, FP4_BYTES, GLUON_TILE, MODELS, bench,  # noqa: E402
                            copy_bandwidth, decode_cases, random_fp4_pages)
 from kernels_testing import cuda_fp4_pages  # noqa: E402
 
-VARIANTS = {"default": None, "bf16": False, "fp16": True}
-
-
-class variant:
-    """Set decode_fp4_gluon.F16 for one variant (restored on exit)."""
-
-    def __init__(self, name: str):
-        self.f16 = VARIANTS[name]
-
-    def __enter__(self):
-        self.saved = decode_fp4_gluon.F16
-        decode_fp4_gluon.F16 = self.f16
-
-    def __exit__(self, *exc):
-        decode_fp4_gluon.F16 = self.saved
+VARIANTS = {"default": None, "bf16": False, "fp16": True}  # decode_attention's fp16
 
 
 SEQ_LENS = [1, 15, 16, 17, 63, 64, 65, 1025, 1027, 4099]
@@ -78,27 +64,30 @@ def accuracy(results: dict, names) -> None:
         tri = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, fp4_kernel=True)
         row = {"kv_heads": kvh, "group": group, "key_outliers": ko, "num_splits": ns, "stages": st, "v_mult": vm}
         for name in names:
-            with variant(name):
-                try:
-                    out = torch.full_like(query, float("nan"))
-                    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
-                                     num_splits=ns, out=out, gluon=True, num_stages=st)
-                    row[f"{name}_vs_ref"] = worst_rel_err(out, ref)
-                    row[f"{name}_vs_triton"] = worst_rel_err(out, tri)
-                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                    row[f"{name}_error"] = repr(e)[:300]
+            try:
+                out = torch.full_like(query, float("nan"))
+                decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
+                                 num_splits=ns, out=out, gluon=True, num_stages=st, fp16=VARIANTS[name])
+                row[f"{name}_vs_ref"] = worst_rel_err(out, ref)
+                row[f"{name}_vs_triton"] = worst_rel_err(out, tri)
+            except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                row[f"{name}_error"] = repr(e)[:300]
         rows.append(row)
         print(json.dumps(row), flush=True)
 
 
 def decode(results: dict, copy_bw: float, contexts, batches, names, save=lambda: None) -> None:
     rows = results["decode"] = []
+    registers = results["registers"] = {}  # (group, key slots, maxnreg, stages, fp16) -> registers per thread
     for row, q, table, sl, scale, nb in decode_cases(contexts, batches):
         ctx, batch, hk = row["ctx"], row["batch"], MODELS[row["model"]][1]
         kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
         for name in names:
-            with variant(name):
-                row[f"{name}_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
+            row[f"{name}_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
+                                                               fp16=VARIANTS[name]))
+            launch = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers, fp16=VARIANTS[name])
+            c = launch.constexprs
+            registers[str((c["GROUP"], c["K_KO"], None, c["STAGES"], c["F16"]))] = launch.resources()[0]
             row[f"{name}_vs_sdpa"] = row["sdpa_ms"] / row[f"{name}_ms"]
             fp4_bytes = batch * ctx * hk * FP4_BYTES
             row[f"{name}_bw_pct_copy"] = 100 * fp4_bytes / (row[f"{name}_ms"] * 1e-3) / copy_bw
@@ -120,7 +109,6 @@ def decode(results: dict, copy_bw: float, contexts, batches, names, save=lambda:
         rows.append(row)
         print(json.dumps(row), flush=True)
         save()
-    results["registers"] = {str(k): n for k, n in decode_fp4_gluon.REGISTERS.items()}
 
 
 def main() -> None:

@@ -38,8 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.config import FP4Config  # noqa: E402
 from app.kernels import decode_fp4_gluon, fp4, paged  # noqa: E402
-from app.kernels.decode_attention import decode_attention, decode_attention_ref, num_splits_for  # noqa: E402
-from app.kernels.prefill_attention import prefill_attention, prefill_attention_ref  # noqa: E402
+from app.kernels.attention_ref import decode_attention_ref, prefill_attention_ref  # noqa: E402
+from app.kernels.decode_attention import decode_attention, num_splits_for  # noqa: E402
+from app.kernels.prefill_attention import prefill_attention  # noqa: E402
 from app.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -225,8 +226,18 @@ def decode_cases(contexts, batches):
                 yield row, q, table, sl, HEAD_DIM ** -0.5, nb
 
 
+def note_gluon_resources(results: dict, launch) -> None:
+    """Record a Gluon launch's compiled registers per thread and shared memory per program in results."""
+    c = launch.constexprs
+    regs, shared = launch.resources()
+    slots, stages, fp16 = f"key slots {c['K_KO']}", f"stages {c['STAGES']}", f"fp16 {c['F16']}"
+    results["gluon_registers"][f"group {c['GROUP']} {slots} maxnreg {c.get('maxnreg')} {stages} {fp16}"] = regs
+    results["gluon_shared_bytes"][f"group {c['GROUP']} {slots} {stages} {fp16}"] = shared
+
+
 def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool, save=lambda: None) -> None:
     rows = results["decode"] = []
+    results["gluon_registers"], results["gluon_shared_bytes"] = {}, {}
     for row, q, table, sl, scale, nb in decode_cases(contexts, batches):
         model, ctx, batch, hk = row["model"], row["ctx"], row["batch"], MODELS[row["model"]][1]
         kv_bytes = batch * ctx * hk * BF16_BYTES  # bf16 K+V, each of SDPA's and ours
@@ -247,6 +258,9 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
         row["fp4_regload_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
                                                                num_stages=0))
         pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers).programs_per_sm()
+        for stages in (None, 0):  # the ring (fp4_ms) and loads into registers (fp4_regload_ms)
+            note_gluon_resources(results, decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers,
+                                                                  stages=stages))
         row["fp4_gluon_programs_per_sm"] = pps
         row["fp4_num_splits"] = num_splits_for(batch, hk, ctx, DEV, GLUON_TILE, pps, whole_waves=True)
         # the Triton fp4 kernel (the default before decode_fp4_gluon) on the same pages
@@ -269,10 +283,14 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
             for name, kw in variants.items():
                 row[f"fp4_{name}_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
                                                                        FORMATS, **kw))
+                if name.startswith("gluon_"):
+                    note_gluon_resources(results, decode_fp4_gluon.Launch(
+                        q, kp, vp, table, sl, 1.0, FORMATS[0].outliers, kw.get("maxnreg"), kw.get("num_stages")))
             # what the 4 key outlier slots cost: keys in the values' format (no slots)
             kp0 = random_fp4_pages(nb, hk, FORMATS[1])
             row["fp4_no_key_outliers_ms"] = bench(lambda: decode_attention(q, kp0, vp, table, sl, scale, ctx,
                                                                            (FORMATS[1], FORMATS[1])))
+            note_gluon_resources(results, decode_fp4_gluon.Launch(q, kp0, vp, table, sl, 1.0, 0))
             del kp0
         del kp, vp
         torch.cuda.empty_cache()
@@ -287,10 +305,6 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
         rows.append(row)
         print(json.dumps(row), flush=True)
         save()  # a run cut short keeps the rows it measured
-    results["gluon_registers"] = {f"group {g} key slots {k} maxnreg {r} stages {st} fp16 {f}": n
-                                  for (g, k, r, st, f), n in decode_fp4_gluon.REGISTERS.items()}
-    results["gluon_shared_bytes"] = {f"group {g} key slots {k} stages {st} fp16 {f}": n
-                                     for (g, k, st, f), n in decode_fp4_gluon.SHARED.items()}
     print("gluon registers:", results["gluon_registers"], "shared:", results["gluon_shared_bytes"], flush=True)
 
 

@@ -31,10 +31,11 @@ import torch.nn.functional as F
 
 from app import LLM, SamplingParams
 from app.config import FP4Config
-from app.engine.attention import AttentionMetadata, causal_attention_ref
+from app.engine.attention import AttentionMetadata
 from app.engine.kv_cache import DenseKVCache, KVCacheSpec, kv_bytes_per_token
 from app.engine.models.llama import apply_rope, rope_cos_sin
-from app.kernels import fp4
+from app.kernels import fp4, fp8
+from app.kernels.attention_ref import causal_attention_ref
 
 REPO = Path(__file__).resolve().parent.parent
 EVAL_TEXT = REPO / "tests/data/tinystories_eval.txt"
@@ -132,7 +133,7 @@ def bytes_per_token_head(kind: str, opts: dict | None, head_dim: int = HEAD_DIM)
         itemsize = 2 if kind == "bf16" else 4
         return itemsize * head_dim, itemsize * head_dim
     if kind == "fp8":
-        vec = head_dim + fp4.FP8_BYTES_PER_VECTOR_EXTRA  # e4m3 values + float32 scale
+        vec = head_dim + fp8.FP8_BYTES_PER_VECTOR_EXTRA  # e4m3 values + float32 scale
         return vec, vec
     k_fmt, v_fmt = fp4_formats(opts)
     return k_fmt.bytes_per_vector(head_dim), v_fmt.bytes_per_vector(head_dim)
@@ -298,7 +299,7 @@ def quant_dequant(x: torch.Tensor, kind: str, fmt: fp4.FP4Format | None) -> torc
     if kind == "bf16":
         return x.to(torch.bfloat16).float()
     if kind == "fp8":
-        return fp4.fp8_dequantize(*fp4.fp8_quantize(x))
+        return fp8.fp8_dequantize(*fp8.fp8_quantize(x))
     rotation = fp4.hadamard_rotation(x.shape[-1]) if fmt.rotate else None
     return fp4.fp4_dequantize(fp4.fp4_quantize(x, fmt, rotation), fmt, rotation)
 

@@ -1,4 +1,4 @@
-"""The FP4 KV format (app/kernels/fp4.py) and the fp8/fp4 KV caches built on it."""
+"""The FP4 and FP8 KV formats (app/kernels/fp4.py, fp8.py) and the fp8/fp4 KV caches built on them."""
 
 import math
 
@@ -15,12 +15,11 @@ from app.kernels.fp4 import (
     e2m1_encode,
     fp4_dequantize,
     fp4_quantize,
-    fp8_dequantize,
-    fp8_quantize,
     hadamard_rotation,
     pack_nibbles,
     unpack_nibbles,
 )
+from app.kernels.fp8 import fp8_dequantize, fp8_quantize
 
 
 def e2m1_nearest_even(v: float) -> float:
@@ -212,7 +211,7 @@ def test_bytes_per_token_and_capacity_at_head_dim_128():
 def test_cache_attention_matches_reference_on_dequantized_pages(fp4_cfg):
     """The cache's attention (rotated basis when rotating) equals plain attention over the
     dequantized pages, and a failed store (NaN) leaves the pages untouched."""
-    from app.engine.attention import causal_attention_ref
+    from app.kernels.attention_ref import causal_attention_ref
 
     torch.manual_seed(5)
     s = spec(head_dim=64, heads=2, block_size=4)

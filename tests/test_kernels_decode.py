@@ -9,7 +9,8 @@ bf16 outputs, so its relative error against the float32 reference is about one b
 import pytest
 import torch
 
-from app.kernels.decode_attention import _fewest_splits_filling_waves, decode_attention, decode_attention_ref
+from app.kernels.attention_ref import decode_attention_ref
+from app.kernels.decode_attention import _fewest_splits_filling_waves, decode_attention
 from kernels_testing import block_tables, random_pages, rel_err
 
 ODD_LENGTHS = [1, 15, 16, 17, 1025, 1027]

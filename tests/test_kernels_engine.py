@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.engine.kv_cache import KVCacheSpec, create_kv_cache
-from app.kernels import paged
+from app.kernels.attention_ref import dequantize_pages
 from app.kernels.fp4 import FP4Format
 from kernels_testing import DEFAULT_FP4, paged_step, rel_err
 
@@ -40,7 +40,7 @@ def test_kernel_path_matches_torch_path(kv, formats):
         # (torch.topk's choice among ties is unspecified; the kernel keeps the lowest index)
         for i, (got, want) in enumerate(zip(caches[0].layer_pages(1), caches[1].layer_pages(1))):
             fmt = formats[i] if formats else None
-            got, want = paged.dequantize_pages(got, fmt)[used], paged.dequantize_pages(want, fmt)[used]
+            got, want = dequantize_pages(got, fmt)[used], dequantize_pages(want, fmt)[used]
             assert (got == want).float().mean() > 0.98 and rel_err(got, want) < 3e-2
         # attention over the same pages: the kernels compute what the torch path computes, to float32
         # rounding before the bf16 output

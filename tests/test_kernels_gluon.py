@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from app.kernels import decode_fp4_gluon, paged
-from app.kernels.decode_attention import decode_attention, decode_attention_ref
+from app.kernels.attention_ref import decode_attention_ref
+from app.kernels.decode_attention import decode_attention
 from app.kernels.fp4 import FP4Format
 from kernels_testing import DEFAULT_FP4, cuda_fp4_pages
 
@@ -105,22 +106,18 @@ def test_num_stages_other_than_0_or_a_power_of_two_is_refused():
 
 
 @needs_gluon
-def test_fp16_maps_from_64_sequence_head_pairs(monkeypatch):
+def test_fp16_maps_from_64_sequence_head_pairs():
     """The default code-to-number map: fp16 from F16_MIN_PAIRS (sequence, KV head) pairs, bf16 below;
-    F16 = True / False and fp16= override it."""
+    fp16= overrides it."""
     def f16(seqs, kv_heads, **kw):
         q = torch.zeros(seqs, 4 * kv_heads, 128, dtype=torch.bfloat16)
         k, v = (paged.quantize_pages(torch.zeros(1, 16, kv_heads, 128), "fp4", f) for f in DEFAULT_FP4)
         table, lens = torch.zeros(seqs, 1, dtype=torch.int32), torch.ones(seqs, dtype=torch.int32)
         return decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, **kw).constexprs["F16"]
 
-    assert decode_fp4_gluon.F16 is None and decode_fp4_gluon.F16_MIN_PAIRS == 64
+    assert decode_fp4_gluon.F16_MIN_PAIRS == 64
     assert (f16(1, 8), f16(7, 8), f16(8, 8), f16(32, 1), f16(64, 1)) == (False, False, True, False, True)
-    assert f16(8, 8, fp16=False) is False and f16(1, 1, fp16=True) is True
-    monkeypatch.setattr(decode_fp4_gluon, "F16", True)
-    assert f16(1, 1) is True
-    monkeypatch.setattr(decode_fp4_gluon, "F16", False)
-    assert f16(128, 8) is False
+    assert f16(8, 8, fp16=False) is False and f16(1, 1, fp16=True) is True and f16(128, 8, fp16=False) is False
 
 
 def _worst_rel_err(out, ref):
@@ -160,12 +157,11 @@ def test_matches_reference_on_gpu(kv_heads, group, key_outliers, num_splits, sta
 @pytest.mark.parametrize("fp16", [False, True])
 @pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 3)])
 @pytest.mark.parametrize("stages", [decode_fp4_gluon.STAGES, 0])
-def test_code_maps_match_reference_on_gpu(monkeypatch, fp16, kv_heads, group, stages):
-    """Both code-to-number maps (bf16 bit arithmetic; fp16 through E4M3), whichever the shape picks by
-    default, against the reference and the Triton kernel as above, with key outlier slots, one split and
+def test_code_maps_match_reference_on_gpu(fp16, kv_heads, group, stages):
+    """Both code-to-number maps (bf16 bit arithmetic; fp16 through E4M3), forced by fp16= whatever the
+    shape's default, against the reference and the Triton kernel as above, with key outlier slots, one split and
     many; values also x 1e4 and x 1e-4 (with fp16 the probabilities carry the values' second-level
     exponents, which these move far from 2^0)."""
-    monkeypatch.setattr(decode_fp4_gluon, "F16", fp16)
     for v_mult in (1.0, 1e4, 1e-4):
         table, kp, vp = cuda_fp4_pages(SEQ_LENS, kv_heads, 16, DEFAULT_FP4, seed=kv_heads + group, v_mult=v_mult)
         query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
@@ -175,7 +171,7 @@ def test_code_maps_match_reference_on_gpu(monkeypatch, fp16, kv_heads, group, st
                                       fp4_kernel=True)
         for num_splits in (None, 7):
             out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), DEFAULT_FP4,
-                                   num_splits=num_splits, gluon=True, num_stages=stages)
+                                   num_splits=num_splits, gluon=True, num_stages=stages, fp16=fp16)
             assert _worst_rel_err(out, ref) < 1e-2, (v_mult, num_splits)
             assert _worst_rel_err(out, triton_out) < 1e-2, (v_mult, num_splits)
 
@@ -224,7 +220,12 @@ def test_default_is_the_ring_on_gpu():
 @needs_gluon
 def test_64_bit_offsets_on_gpu(monkeypatch):
     """The int64 offset path that page arrays of 2 GiB or more take, forced on small pages."""
-    monkeypatch.setattr(decode_fp4_gluon, "FORCE_OFF64", True)
+    class Off64(decode_fp4_gluon.Launch):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.constexprs["OFF64"] = True
+
+    monkeypatch.setattr(decode_fp4_gluon, "Launch", Off64)
     table, kp, vp = cuda_fp4_pages(SEQ_LENS, 8, 16, DEFAULT_FP4, seed=5)
     query = torch.randn(len(SEQ_LENS), 32, 128, device="cuda").bfloat16()
     lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from app.kernels.decode_attention import decode_attention
-from app.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from app.kernels.attention_ref import prefill_attention_ref
+from app.kernels.prefill_attention import prefill_attention
 from kernels_testing import block_tables, random_pages, rel_err
 
 # (cached context, new tokens): first chunks, later chunks, single tokens, 1025 and 1027 in all

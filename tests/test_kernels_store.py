@@ -1,13 +1,13 @@
 """store_kv (Triton, interpreted on CPU) against the torch path that defines the bits.
 
-fp4 and fp8 must write the same bytes as app/kernels/fp4.py into every page array; slots the step
+fp4 and fp8 must write the same bytes as app/kernels/fp4.py and fp8.py into every page array; slots the step
 does not own (and padding slots, -1) must keep their poison.
 """
 
 import pytest
 import torch
 
-from app.kernels import paged
+from app.kernels.attention_ref import dequantize_pages
 from app.kernels.store_kv import store_kv, store_kv_ref
 from kernels_testing import FORMATS, keys_like_llama, page_bits, poison, random_pages
 
@@ -62,8 +62,8 @@ def test_store_from_bf16_matches_the_reference(name):
     want = _stored(name, key, value, slots, 8, 16, kernel=False)
     written = slots[slots >= 0]
     for i in range(2):
-        a = paged.dequantize_pages(_rows(got[i], written), got[2][i])
-        b = paged.dequantize_pages(_rows(want[i], written), want[2][i])
+        a = dequantize_pages(_rows(got[i], written), got[2][i])
+        b = dequantize_pages(_rows(want[i], written), want[2][i])
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

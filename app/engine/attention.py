@@ -1,8 +1,5 @@
-"""Attention over a paged KV cache: step metadata and the pure-torch reference.
-
-The reference gathers each sequence's pages, dequantized by the cache, and runs causal attention
-in float32. It is the CPU path and the ground truth the Triton kernels are checked against.
-"""
+"""Attention over a paged KV cache: the step metadata. The pure-torch reference the cache's torch path
+runs (and the kernels are checked against) is app/kernels/attention_ref.py."""
 
 from __future__ import annotations
 
@@ -72,40 +69,3 @@ class AttentionMetadata:
         assert self.block_tables.shape[0] == len(self.seq_lens)
         assert all(q <= s for q, s in zip(self.query_lens, self.seq_lens))
 
-
-def causal_attention_ref(
-    query: torch.Tensor,  # [num_q, num_heads, head_dim]
-    key: torch.Tensor,  # [num_k, num_kv_heads, head_dim]; query j sits at position num_k - num_q + j
-    value: torch.Tensor,  # [num_k, num_kv_heads, head_dim]
-    scale: float,
-) -> torch.Tensor:  # [num_q, num_heads, head_dim] float32
-    num_q, num_heads, _ = query.shape
-    num_k, num_kv_heads, _ = key.shape
-    group = num_heads // num_kv_heads
-    q = query.float().view(num_q, num_kv_heads, group, -1)
-    scores = torch.einsum("qhgd,khd->hgqk", q, key.float()) * scale  # [kvh, group, num_q, num_k]
-    q_pos = torch.arange(num_k - num_q, num_k, device=query.device)
-    k_pos = torch.arange(num_k, device=query.device)
-    scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("hgqk,khd->qhgd", probs, value.float())
-    return out.reshape(num_q, num_heads, -1)
-
-
-def decode_attention_ref(
-    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one new token per sequence
-    key: torch.Tensor,  # [num_seqs, max_len, num_kv_heads, head_dim]: each sequence's pages, padded
-    value: torch.Tensor,  # [num_seqs, max_len, num_kv_heads, head_dim]
-    seq_lens: torch.Tensor,  # [num_seqs] int64: valid length of each row of key/value
-    scale: float,
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] float32
-    num_seqs, num_heads, _ = query.shape
-    max_len, num_kv_heads = key.shape[1], key.shape[2]
-    group = num_heads // num_kv_heads
-    q = query.float().view(num_seqs, num_kv_heads, group, -1)
-    scores = torch.einsum("bhgd,bkhd->bhgk", q, key.float()) * scale  # [b, kvh, group, max_len]
-    pad = torch.arange(max_len, device=query.device)[None, :] >= seq_lens[:, None]  # [b, max_len]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgk,bkhd->bhgd", probs, value.float())
-    return out.reshape(num_seqs, num_heads, -1)

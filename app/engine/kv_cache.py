@@ -21,9 +21,10 @@ import importlib.util
 import torch
 
 from app.config import FP4Config
-from app.engine.attention import AttentionMetadata, causal_attention_ref, decode_attention_ref
+from app.engine.attention import AttentionMetadata
 from app.engine.kv_cache_manager import cdiv
-from app.kernels import fp4
+from app.kernels import fp4, fp8
+from app.kernels.attention_ref import causal_attention_ref, decode_attention_ref
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,10 +207,9 @@ class KVCache(ABC):
             num_blocks = cdiv(max(lens), bs)
             tables = meta.block_tables[decodes, :num_blocks]  # [d, num_blocks]
             k, v = read_blocks(layer, tables.flatten())  # [d * num_blocks, bs, kvh, hd]
-            k = k.view(len(decodes), num_blocks * bs, *k.shape[2:])
-            v = v.view(len(decodes), num_blocks * bs, *v.shape[2:])
+            read = torch.arange(k.shape[0], device=query.device).view(tables.shape)  # tables' blocks in k, v
             lens_t = torch.tensor(lens, device=query.device)
-            out[rows] = decode_attention_ref(query[rows], k, v, lens_t, scale).to(query.dtype)
+            out[rows] = decode_attention_ref(query[rows], k, v, read, lens_t, scale).to(query.dtype)
         for i, seq_len in enumerate(seq_lens):
             start, end = qsl[i], qsl[i + 1]
             if end - start <= 1:
@@ -280,7 +280,7 @@ class FP8KVCache(KVCache):
 
     @classmethod
     def bytes_per_token_per_layer(cls, spec: KVCacheSpec) -> int:
-        return 2 * spec.num_kv_heads * (spec.head_dim + fp4.FP8_BYTES_PER_VECTOR_EXTRA)
+        return 2 * spec.num_kv_heads * (spec.head_dim + fp8.FP8_BYTES_PER_VECTOR_EXTRA)
 
     def layer_pages(self, layer):
         return self.pages[2 * layer], self.pages[2 * layer + 1]
@@ -293,7 +293,7 @@ class FP8KVCache(KVCache):
             for i, x in enumerate((key, value)):
                 cpu_kernels.store_fp8(x, slot_mapping, *self.pages[2 * layer + i])
             return
-        quantized = [fp4.fp8_quantize(key), fp4.fp8_quantize(value)]  # both checked before any write
+        quantized = [fp8.fp8_quantize(key), fp8.fp8_quantize(value)]  # both checked before any write
         for i, (values, scale) in enumerate(quantized):
             page_values, page_scale = self.pages[2 * layer + i]
             page_values.view(-1, *values.shape[1:])[slot_mapping] = values
@@ -305,7 +305,7 @@ class FP8KVCache(KVCache):
         return k.to(dt), v.to(dt)
 
     def read_exact(self, layer, block_ids):
-        k, v = (fp4.fp8_dequantize(values[block_ids], scale[block_ids])
+        k, v = (fp8.fp8_dequantize(values[block_ids], scale[block_ids])
                 for values, scale in self.pages[2 * layer : 2 * layer + 2])
         return k, v
 

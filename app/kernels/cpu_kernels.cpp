@@ -2,7 +2,7 @@
 // the loop, the K/V stores, and the Llama layer's elementwise ops fused one pass each.
 //
 // Built on first use by app/kernels/cpu_kernels.py (torch.utils.cpp_extension.load); the torch
-// reference in app/engine/attention.py is the ground truth it is tested against.
+// reference in app/kernels/attention_ref.py is the ground truth it is tested against.
 //
 //   decode(...)  one new token per sequence: a loop per (sequence, KV head) over the sequence's
 //                tokens in tiles of TILE, each tile dequantized into a small float buffer (K

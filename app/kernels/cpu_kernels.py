@@ -10,13 +10,13 @@ compiler on first use and cached by torch.utils.cpp_extension under ~/.cache/tor
   and attention runs in torch's fused CPU flash-attention kernel, split in two calls, the
   chunk's own keys causally and the earlier keys in full, merged by their log-sum-exp (a single
   call with a bottom-right causal mask takes the kernel's slower masked path).
-- store: new K/V quantized to fp4 / fp8 as app/kernels/fp4.py does (topk outliers), written to
+- store: new K/V quantized to fp4 / fp8 as app/kernels/fp4.py / fp8.py do (topk outliers), written to
   their slots; `nonfinite_tokens` finds the tokens whose K or V holds NaN/Inf in one pass.
 - layer ops: RMSNorm (residual added first), RoPE on the fused q/k projection, SiLU-and-mul, one
   pass each, rounding where app/kernels/layer_ops_ref.py rounds (sums may differ in order).
 
 `available()` is False, with the reason logged once, where the extension cannot be built (no
-compiler); the KV cache then keeps the torch reference path (app/engine/attention.py), which
+compiler); the KV cache then keeps the torch reference path (app/kernels/attention_ref.py), which
 stays the ground truth the tests compare against.
 """
 
@@ -125,7 +125,7 @@ def store_fp4(x: torch.Tensor, slots: torch.Tensor, pages: fp4.FP4Tensor, fmt: f
 
 
 def store_fp8(x: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> None:
-    """Quantize x [N, H, D] (finite) as fp4.fp8_quantize does, into values/scale at slots [N]."""
+    """Quantize x [N, H, D] (finite) as fp8.fp8_quantize does, into values/scale at slots [N]."""
     load().store_fp8(x.float().contiguous(), slots.long().contiguous(), values, scale)
 
 

@@ -25,13 +25,11 @@ for 8B (1.11-1.99x for 70B), bound by instruction issue on the integer pipe rath
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from app.engine.attention import causal_attention_ref
 from app.kernels import decode_fp4_gluon, paged
 from app.kernels.fp4 import FP4Format
 
@@ -286,6 +284,7 @@ def decode_attention(
     maxnreg: int | None = None,
     fp4_kernel: bool | None = None,
     gluon: bool | None = None,
+    fp16: bool | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] query dtype
     """Launcher. Which kernel: fp4 K and V pages in decode_fp4_gluon's scope (the engine's default fp4
     cache on CUDA: `decode_fp4_gluon.unsupported` lists it) run the Gluon kernel; other fp4 pages
@@ -301,7 +300,8 @@ def decode_attention(
     bench/RESULTS.md); num_warps; precise_pv: the PV product from p split into two bf16
     terms (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton.
     maxnreg: a register cap on CUDA (None: 128 for _decode_fp4_kernel at head_dim 128, none for the
-    Gluon kernel; 0: none)."""
+    Gluon kernel; 0: none). fp16, Gluon kernel only: its code-to-number map, fp16 MMAs (True) or bf16
+    (False) (None: decode_fp4_gluon.fp16_for, by the number of (sequence, KV head) pairs)."""
     num_seqs, num_heads, head_dim = query.shape
     # The fp4 kernel where it measured faster (bench/RESULTS.md): head_dim 128, capped at 128
     # registers, and 256, uncapped (capped it spills); at 64 the generic kernel was 1.2-1.6x faster.
@@ -333,7 +333,7 @@ def decode_attention(
         raise ValueError(f"the Gluon fp4 kernel cannot run this decode: {why}")
     if gluon is not False and why is None:
         return _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats,
-                             num_splits, out, maxnreg, num_stages)
+                             num_splits, out, maxnreg, num_stages, fp16)
     if num_splits is None:
         num_splits = num_splits_for(num_seqs, num_kv_heads, max_seq_len, query.device, block_n,
                                     max(1, 65536 // (cap * 32 * num_warps)) if capped else 2, whole_waves=both_fp4)
@@ -365,9 +365,9 @@ def decode_attention(
 
 
 def _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats, num_splits, out,
-                  maxnreg: int | None, stages: int | None) -> torch.Tensor:
+                  maxnreg: int | None, stages: int | None, fp16: bool | None) -> torch.Tensor:
     launch = decode_fp4_gluon.Launch(query, k_pages, v_pages, block_tables, seq_lens, scale * LOG2E,
-                                     formats[0].outliers, maxnreg, stages)
+                                     formats[0].outliers, maxnreg, stages, fp16)
     tile = decode_fp4_gluon.W * decode_fp4_gluon.TW
     if num_splits is None:
         num_splits = num_splits_for(query.shape[0], k_pages.codes.shape[2], max_seq_len, query.device, tile,
@@ -400,23 +400,3 @@ def _merge_splits(part_o, part_lse, out, num_splits: int) -> None:
         num_seqs, num_heads, head_dim = out.shape
         _merge_kernel[(num_seqs * num_heads,)](part_o, part_lse, out, num_splits, D=head_dim, CHUNK=16, num_warps=4)
 
-
-def decode_attention_ref(
-    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
-    k_pages, v_pages,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
-    seq_lens: torch.Tensor,  # [num_seqs]
-    scale: float,
-    formats: tuple[FP4Format | None, FP4Format | None] = (None, None),
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] float32
-    """Float32 attention over the dequantized pages (fp4 via app/kernels/fp4.py), one sequence at a time."""
-    k_all = paged.dequantize_pages(k_pages, formats[0])  # [nb, bs, H, D]
-    v_all = paged.dequantize_pages(v_pages, formats[1])
-    bs = k_all.shape[1]
-    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
-    for i, n in enumerate(seq_lens.tolist()):
-        blocks = block_tables[i, : math.ceil(n / bs)].long()
-        k = k_all[blocks].flatten(0, 1)[:n]
-        v = v_all[blocks].flatten(0, 1)[:n]
-        out[i] = causal_attention_ref(query[i : i + 1], k, v, scale)[0]
-    return out

@@ -735,22 +735,34 @@ class Launch:
         self.grid_hb = (num_kv_heads, num_seqs)
         self.constexprs = dict(
             H=num_kv_heads, GROUP=group, BS=bs, K_KO=k_outliers, TW=TW,
-            OFF64=FORCE_OFF64 or max(k_pages.codes.numel(), v_pages.codes.numel()) >= 2 ** 31, **_layouts_cached(),
+            OFF64=max(k_pages.codes.numel(), v_pages.codes.numel()) >= 2 ** 31, **_layouts_cached(),
             STAGES=stages, F16=fp16_for(num_seqs, num_kv_heads) if fp16 is None else fp16,
             num_warps=W, **({"maxnreg": maxnreg} if maxnreg else {}))
 
-    def programs_per_sm(self) -> int:
-        """Programs of this kernel resident per SM, from its compiled registers and shared memory
-        (compiling it once per configuration: it sets the split count, so the grid fills whole waves)."""
-        key = (self.query.device, self.query.dtype, self.rest[0].dtype, self.rest[1].dtype,
-               tuple(sorted(self.constexprs.items())))
-        if key not in _PROGRAMS_PER_SM:
+    def _key(self) -> tuple:
+        return (self.query.device, self.query.dtype, self.rest[0].dtype, self.rest[1].dtype,
+                tuple(sorted(self.constexprs.items())))
+
+    def resources(self) -> tuple[int, int]:
+        """(registers per thread, shared memory bytes per program) of this launch's kernel, compiled
+        once per configuration."""
+        key = self._key()
+        if key not in _RESOURCES:
             part = torch.empty(1, dtype=torch.float32, device=self.query.device)
             kernel = _decode_fp4_gluon_kernel.warmup(
                 self.query, self.q_t, self.query, part, part, *self.pages, *self.rest, 128, 2, SPLIT=True,
                 grid=(1,), **self.constexprs)
             kernel._init_handles()
-            regs = -(-kernel.n_regs // 8) * 8  # allocated in steps of 8 per thread
+            _RESOURCES[key] = kernel.n_regs, kernel.metadata.shared
+        return _RESOURCES[key]
+
+    def programs_per_sm(self) -> int:
+        """Programs of this kernel resident per SM, from its compiled registers and shared memory
+        (resources(): it sets the split count, so the grid fills whole waves)."""
+        key = self._key()
+        if key not in _PROGRAMS_PER_SM:
+            n_regs, shared = self.resources()
+            regs = -(-n_regs // 8) * 8  # allocated in steps of 8 per thread
             # Resident programs, but at most 4 for planning: whole waves of 5 x 132 slots made the split
             # rule ask for many short splits (103 of 320 tokens for 70B at 32k, batch 32), up to 65%
             # slower, and the 96-register variant that fits 5 was slower in every row measured
@@ -758,11 +770,8 @@ class Launch:
             # The cp.async ring takes shared memory too: 4 stages are 39 KiB per program.
             props = torch.cuda.get_device_properties(self.query.device)
             smem_sm = getattr(props, "shared_memory_per_multiprocessor", 164 << 10)  # else sm_80's, the least
-            by_smem = smem_sm // (kernel.metadata.shared + 1024)  # 1 KiB per program is the system's
+            by_smem = smem_sm // (shared + 1024)  # 1 KiB per program is the system's
             _PROGRAMS_PER_SM[key] = max(1, min(PLAN_PROGRAMS_PER_SM, 65536 // (regs * 32 * W), by_smem))
-            c = self.constexprs
-            REGISTERS[(c["GROUP"], c["K_KO"], c.get("maxnreg"), c["STAGES"], c["F16"])] = kernel.n_regs
-            SHARED[(c["GROUP"], c["K_KO"], c["STAGES"], c["F16"])] = kernel.metadata.shared
         return _PROGRAMS_PER_SM[key]
 
     def run(self, out, part_o, part_lse, split_size: int, num_splits: int) -> None:
@@ -783,20 +792,18 @@ STAGES = 4
 # instructions but its conversions lengthen each tile's dependency chain: on the H200, in two runs, it
 # was 1-8% faster for the 8B shape from 8k tokens and batch 8 (64 (sequence, KV head) pairs and more)
 # and for 70B at TP 8 at batch 128, and 1-5% slower at batch 1, for 70B up to batch 32 (8 to 32 pairs)
-# and at 1k tokens; bench/RESULTS.md, "fp4 decode, fifth pass". None: fp16 from F16_MIN_PAIRS
-# (sequence, KV head) pairs; True / False: always / never.
-F16: bool | None = None
+# and at 1k tokens; bench/RESULTS.md, "fp4 decode, fifth pass". So fp16 from F16_MIN_PAIRS (sequence,
+# KV head) pairs by default (fp16_for); Launch's fp16 (decode_attention's) forces either.
 F16_MIN_PAIRS = 64
 
 
 def fp16_for(num_seqs: int, num_kv_heads: int) -> bool:
-    """Whether a decode of this many sequences and KV heads runs the fp16 MMAs (F16)."""
-    return F16 if F16 is not None else num_seqs * num_kv_heads >= F16_MIN_PAIRS
+    """Whether a decode of this many sequences and KV heads runs the fp16 MMAs (F16) by default."""
+    return num_seqs * num_kv_heads >= F16_MIN_PAIRS
 
-FORCE_OFF64 = False  # 64-bit page offsets even for small caches (tests: the path caches of 2 GiB+ per array take)
+
 _PROGRAMS_PER_SM: dict = {}
-REGISTERS: dict = {}  # (query heads per KV head, key outlier slots, maxnreg, stages, F16) -> registers per thread
-SHARED: dict = {}  # (query heads per KV head, key outlier slots, stages, F16) -> shared memory bytes per program
+_RESOURCES: dict = {}
 _LAYOUTS: dict = {}
 
 

@@ -223,20 +223,3 @@ def fp4_dequantize(q: FP4Tensor, fmt: FP4Format, rotation: torch.Tensor | None =
     if rotation is not None and fmt.rotate:
         x = x @ rotation.T
     return x
-
-
-# -- FP8 per token and head (the 8-bit baseline) -------------------------------------------------
-def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] -> (e4m3 values [..., head_dim], float32 scale [...]); amax maps to 448."""
-    check_finite(x)
-    x = x.float()
-    scale = x.abs().amax(-1) / E4M3_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (x / scale[..., None]).to(torch.float8_e4m3fn), scale
-
-
-def fp8_dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return values.float() * scale[..., None]
-
-
-FP8_BYTES_PER_VECTOR_EXTRA = 4  # the float32 scale

@@ -1,5 +1,6 @@
 """The small per-token ops of a Llama layer, one launch each: RMSNorm (with the residual add folded
-in), rotary embedding of the fused QKV projection, SiLU-and-mul. Each their torch references (the model's torch path) in layer_ops_ref.py.
+in), rotary embedding of the fused QKV projection, SiLU-and-mul. Their torch references (the model's
+torch path) are in layer_ops_ref.py.
 
 They round where the torch path (app/engine/models/llama.py) rounds: the residual sum in the
 activation dtype (bit for bit), the normalized row cast to it before the weight multiplies, RoPE in
@@ -16,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from app.kernels.layer_ops_ref import rms_norm_ref, rope_qk_ref, silu_and_mul_ref  # noqa: F401 (the references)
 from app.kernels.paged import cast_out
 
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from app.kernels import fp4
+from app.kernels import fp4, fp8
 
 DENSE, FP8, FP4 = 0, 1, 2
 _DENSE_DTYPES = (torch.bfloat16, torch.float16)
@@ -70,23 +70,13 @@ def check_pages(pages, fmt: fp4.FP4Format | None, what: str) -> tuple[int, int, 
     return nb, bs, h, d
 
 
-def dequantize_pages(pages, fmt: fp4.FP4Format | None) -> torch.Tensor:
-    """Pages -> float32 [num_blocks, block_size, H, D] (fp4 stays in its stored basis: no rotation)."""
-    kind = page_kind(pages)
-    if kind == DENSE:
-        return pages.float()
-    if kind == FP8:
-        return fp4.fp8_dequantize(*pages)
-    return fp4.fp4_dequantize(pages, fmt)
-
-
 def quantize_pages(x: torch.Tensor, kind: str, fmt: fp4.FP4Format | None = None):
     """Pages holding x [num_blocks, block_size, H, D] in format kind ("bf16", "fp16", "fp8", "fp4"),
     quantized by the torch reference (for tests and benchmarks)."""
     if kind == "fp4":
         return fp4.FP4Tensor(*(t.contiguous() for t in fp4.fp4_quantize(x, fmt)))
     if kind == "fp8":
-        return fp4.fp8_quantize(x)
+        return fp8.fp8_quantize(x)
     return x.to({"bf16": torch.bfloat16, "fp16": torch.float16}[kind]).contiguous()
 
 

@@ -19,13 +19,11 @@ tensor-core product, 25% slower on bf16 pages).
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from app.engine.attention import causal_attention_ref
 from app.kernels import paged
 from app.kernels.decode_attention import LOG2E
 from app.kernels.fp4 import FP4Format
@@ -142,27 +140,3 @@ def prefill_attention(
     )
     return out
 
-
-def prefill_attention_ref(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_pages, v_pages,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
-    seq_lens: torch.Tensor,  # [num_seqs]
-    query_start_loc: torch.Tensor,  # [num_seqs + 1]
-    scale: float,
-    formats: tuple[FP4Format | None, FP4Format | None] = (None, None),
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] float32
-    """Float32 causal attention over the dequantized pages, one sequence at a time."""
-    k_all = paged.dequantize_pages(k_pages, formats[0])
-    v_all = paged.dequantize_pages(v_pages, formats[1])
-    bs = k_all.shape[1]
-    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
-    qsl = query_start_loc.tolist()
-    for i, n in enumerate(seq_lens.tolist()):
-        if qsl[i + 1] == qsl[i]:
-            continue
-        blocks = block_tables[i, : math.ceil(n / bs)].long()
-        k = k_all[blocks].flatten(0, 1)[:n]
-        v = v_all[blocks].flatten(0, 1)[:n]
-        out[qsl[i] : qsl[i + 1]] = causal_attention_ref(query[qsl[i] : qsl[i + 1]], k, v, scale)
-    return out

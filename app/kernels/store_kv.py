@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from app.kernels import fp4, paged
+from app.kernels import fp4, fp8, paged
 from app.kernels.fp4 import FP4Format
 
 
@@ -253,7 +253,7 @@ def store_kv(
 
 def store_kv_ref(key, value, slot_mapping, k_pages, v_pages,
                  formats: tuple[FP4Format | None, FP4Format | None] = (None, None)) -> None:
-    """The torch path: quantize with app/kernels/fp4.py and scatter into the same pages."""
+    """The torch path: quantize with app/kernels/fp4.py or fp8.py and scatter into the same pages."""
     for x, pages, fmt in ((key, k_pages, formats[0]), (value, v_pages, formats[1])):
         kind = paged.page_kind(pages)
         keep = slot_mapping >= 0
@@ -261,7 +261,7 @@ def store_kv_ref(key, value, slot_mapping, k_pages, v_pages,
         if kind == paged.DENSE:
             pages.view(-1, *x.shape[1:])[slots] = x.to(pages.dtype)
             continue
-        new = fp4.fp8_quantize(x) if kind == paged.FP8 else fp4.fp4_quantize(x, fmt)
+        new = fp8.fp8_quantize(x) if kind == paged.FP8 else fp4.fp4_quantize(x, fmt)
         for page, part in zip(pages, new):
             if part.numel():
                 page.view(-1, *part.shape[1:])[slots] = part
