@@ -3,7 +3,7 @@
     python3 bench/fp4_variants.py --json $OUT/variants.json [--skip accuracy|decode] [--variants bf16,fp16]
 
 Variants (decode_attention's fp16= on each call; --variants picks):
-  default  the committed default: fp16 from F16_MIN_PAIRS (sequence, KV head) pairs, else bf16;
+  default  the committed default (decode_fp4_gluon.F16_DEFAULT);
   bf16     bf16 MMAs, the PTX unpack multiplying by the group scale (paged._FP4_UNPACK_BODY);
   fp16     fp16 MMAs: E2M1 -> E4M3 by shifts, the hardware's E4M3 -> fp16x2 conversion (the probabilities
            in fp16, the values' exponents in the softmax max).
@@ -91,7 +91,7 @@ def decode(results: dict, copy_bw: float, contexts, batches, names, save=lambda:
             row[f"{name}_vs_sdpa"] = row["sdpa_ms"] / row[f"{name}_ms"]
             fp4_bytes = batch * ctx * hk * FP4_BYTES
             row[f"{name}_bw_pct_copy"] = 100 * fp4_bytes / (row[f"{name}_ms"] * 1e-3) / copy_bw
-        row["default_fp16"] = decode_fp4_gluon.fp16_for(batch, hk)
+        row["default_fp16"] = decode_fp4_gluon.F16_DEFAULT
         if batch == 1 and ctx == 32768:
             for ns in (32, 64, 128):
                 row[f"default_splits{ns}_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,

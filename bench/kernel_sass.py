@@ -100,7 +100,7 @@ def main() -> None:
     dense_sig = dict(SIG, **{k: "*bf16" for k in PAGE_SIG})
     gluon_sig = dict(SIG, qt_ptr="*fp32")
     gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, "STAGES": decode_fp4_gluon.STAGES,
-                  "F16": True, **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default from 64 (sequence, KV head) pairs
+                  "F16": True, **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default
     # (name, kernel, signature, constexprs, warps, stages, maxnreg, tokens per tile)
     cases = [
         ("Gluon fp4 kernel (cp.async ring)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig, gluon_args, 4, 1,
@@ -111,7 +111,7 @@ def main() -> None:
          dict(gluon_args, STAGES=0), 4, 1, None, 64),
         ("Gluon fp4 kernel, the engine's int64 tables and lengths", decode_fp4_gluon._decode_fp4_gluon_kernel,
          dict(gluon_sig, block_tables_ptr="*i64", seq_lens_ptr="*i64"), gluon_args, 4, 1, None, 64),
-        ("Gluon fp4 kernel, bf16 MMAs (fewer pairs)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
+        ("Gluon fp4 kernel, bf16 MMAs (fp16=False)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
          dict(gluon_args, F16=False), 4, 1, None, 64),
         ("Triton fp4 kernel (128 regs, 1 stage)", _decode_fp4_kernel, SIG, fp4_args, 4, 1, 128, 128),
         ("fp4 kernel, registers uncapped, 2 stages", _decode_fp4_kernel, SIG, fp4_args, 4, 2, None, 128),

@@ -301,7 +301,7 @@ def decode_attention(
     terms (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton.
     maxnreg: a register cap on CUDA (None: 128 for _decode_fp4_kernel at head_dim 128, none for the
     Gluon kernel; 0: none). fp16, Gluon kernel only: its code-to-number map, fp16 MMAs (True) or bf16
-    (False) (None: decode_fp4_gluon.fp16_for, by the number of (sequence, KV head) pairs)."""
+    (False) (None: decode_fp4_gluon.F16_DEFAULT, fp16)."""
     num_seqs, num_heads, head_dim = query.shape
     # The fp4 kernel where it measured faster (bench/RESULTS.md): head_dim 128, capped at 128
     # registers, and 256, uncapped (capped it spills); at 64 the generic kernel was 1.2-1.6x faster.

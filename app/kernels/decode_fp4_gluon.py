@@ -28,7 +28,8 @@ layout-level language), chosen so that nothing moves between threads except the 
   codes at a time and an fp16x2 multiply applies the scale; the query goes to fp16 scaled by a power
   of two, and the probabilities to fp16 with each token's value exponent folded into the softmax max
   (so they are at most 1 whatever the values' magnitudes). Fewer instructions, longer dependency
-  chains: the default picks by the number of (sequence, KV head) pairs (fp16_for).
+  chains; fp16 is the default (F16_DEFAULT), whatever the batch, so that a sequence's result does not
+  depend on the batch it runs in.
 - Loads, two ways (STAGES). 0: each tile's words are loaded into registers where they are used; the
   loop has no shared memory and no barrier. 4: a ring of 4 tiles in shared memory that cp.async fills
   2 tiles ahead of the one attended (39 KiB per program); the loop reads its tile from shared memory,
@@ -736,7 +737,7 @@ class Launch:
         self.constexprs = dict(
             H=num_kv_heads, GROUP=group, BS=bs, K_KO=k_outliers, TW=TW,
             OFF64=max(k_pages.codes.numel(), v_pages.codes.numel()) >= 2 ** 31, **_layouts_cached(),
-            STAGES=stages, F16=fp16_for(num_seqs, num_kv_heads) if fp16 is None else fp16,
+            STAGES=stages, F16=F16_DEFAULT if fp16 is None else fp16,
             num_warps=W, **({"maxnreg": maxnreg} if maxnreg else {}))
 
     def _key(self) -> tuple:
@@ -788,18 +789,13 @@ PLAN_PROGRAMS_PER_SM = 4
 STAGES = 4
 # Keys and values through fp16 MMAs, the codes widened by the hardware's E4M3 -> fp16 conversion
 # (_K16_UNPACK_PTX, _V16_UNPACK_PTX: 36.6 loop instructions per (token, KV head) for the 8B shape), or
-# through bf16 MMAs on bf16 bit arithmetic (paged._FP4_UNPACK_BODY: 38.6). The fp16 loop issues fewer
-# instructions but its conversions lengthen each tile's dependency chain: on the H200, in two runs, it
-# was 1-8% faster for the 8B shape from 8k tokens and batch 8 (64 (sequence, KV head) pairs and more)
-# and for 70B at TP 8 at batch 128, and 1-5% slower at batch 1, for 70B up to batch 32 (8 to 32 pairs)
-# and at 1k tokens; bench/RESULTS.md, "fp4 decode, fifth pass". So fp16 from F16_MIN_PAIRS (sequence,
-# KV head) pairs by default (fp16_for); Launch's fp16 (decode_attention's) forces either.
-F16_MIN_PAIRS = 64
-
-
-def fp16_for(num_seqs: int, num_kv_heads: int) -> bool:
-    """Whether a decode of this many sequences and KV heads runs the fp16 MMAs (F16) by default."""
-    return num_seqs * num_kv_heads >= F16_MIN_PAIRS
+# through bf16 MMAs on bf16 bit arithmetic (paged._FP4_UNPACK_BODY: 38.6). On the H200 fp16 was 1-8%
+# faster for the 8B shape from 8k tokens and batch 8 and for 70B at TP 8 at batch 128, and 1-5% slower
+# at batch 1, for 70B up to batch 32 and at 1k tokens (bench/RESULTS.md, "fp4 decode, fifth pass"). It
+# is the default for every batch: choosing by batch size made a sequence's rounding depend on the
+# batch it ran in (a CUDA-graph bucket against the eager batch; tests/test_engine_gpu.py found it).
+# Launch's fp16 (decode_attention's) forces either.
+F16_DEFAULT = True
 
 
 _PROGRAMS_PER_SM: dict = {}
