@@ -25,6 +25,9 @@ CONFIG = dict(
     bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", hidden_act="silu",
 )
 SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
+# A plain chat template (BOS first, as Llama 3's), so chat requests can be compared across servers.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 def _training_text() -> list[str]:
@@ -48,6 +51,7 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
         "unk_token": "<unk>", "add_bos_token": True, "model_max_length": CONFIG["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
     }, indent=1))
 
 

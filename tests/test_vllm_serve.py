@@ -65,7 +65,8 @@ def test_router_serves_sessions_from_their_cached_prefixes_on_vllm_replicas(url,
 
 def test_greedy_outputs_equal_vllm_serve(url, args, peer, tmp_path):
     """The same prompts, temperature 0, through our ingress (a vLLM replica) and through vLLM's own
-    OpenAI server on the same model directory: the same text and token counts."""
+    OpenAI server on the same model directory: the same text and token counts, for completions
+    (streamed and not) and chat (each server renders the model's chat template)."""
     overrides, model_id = router.engine_overrides(args)
     router.deploy(1, True, overrides, model_id)
 
@@ -86,11 +87,27 @@ def test_greedy_outputs_equal_vllm_serve(url, args, peer, tmp_path):
                     text += "".join(c.get("text", "") for c in chunk.get("choices", []))
         return {"choices": [{"text": text}]}
 
+    def chat(base: str, prompt: str) -> dict:
+        body = {"model": model_id, "messages": [{"role": "system", "content": "Be brief."},
+                                                 {"role": "user", "content": prompt}],
+                "max_tokens": 24, "temperature": 0}
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+
     ours = [complete(url, p) for p in PROMPTS]
     ours_streamed = [complete(url, p, stream=True) for p in PROMPTS]
+    ours_chat = [chat(url, p) for p in PROMPTS]
+    # the KV cache our replica has (VLLM_CPU_KVCACHE_SPACE, whole GiB); without it vLLM's CPU build sizes
+    # it from --gpu-memory-utilization of the machine's memory and refuses to start when less is free
     with vllm_server(sys.executable, str(peer), model_id, tmp_path,
-                     ["--block-size", "32", "--max-model-len", "8192", "--dtype", router_dtype()]) as base:
+                     ["--block-size", "32", "--max-model-len", "8192", "--dtype", router_dtype()],
+                     env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
         theirs = [complete(base, p) for p in PROMPTS]
+        theirs_chat = [chat(base, p) for p in PROMPTS]
+    for p, a, b in zip(PROMPTS, ours_chat, theirs_chat):  # the chat template, rendered by each server
+        assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"], p
+        assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"], p
     for p, a, s, b in zip(PROMPTS, ours, ours_streamed, theirs):
         assert a["choices"][0]["text"] == b["choices"][0]["text"], p
         assert s["choices"][0]["text"] == a["choices"][0]["text"], p
