@@ -50,7 +50,7 @@ def test_compiles_for_hopper_as_designed():
         (m, k) for m in ("8B", "70B-TP8")
         for k in ("Gluon fp4 kernel (cp.async ring)", "Gluon fp4 kernel, no key slots, one split",
                   "Gluon fp4 kernel, loads into registers", "Gluon fp4 kernel, the engine's int64 tables and lengths",
-                  "Gluon fp4 kernel, bf16 MMAs (fewer pairs)")}
+                  "Gluon fp4 kernel, bf16 MMAs (fp16=False)")}
     for r in rows:
         ops = r["ops"]
         assert r["stack"] == 0, f"register spills: {r}"
@@ -64,7 +64,7 @@ def test_compiles_for_hopper_as_designed():
         assert r["per_token_head"] < 45, r
         # the code-to-number maps: fp16 operands take one E4M3 -> fp16x2 conversion (F2FP) per 2 codes, 32 per
         # warp tile for the keys and 32 for the values; bf16 ones none (2 F2FP pack the probabilities either way)
-        assert ops.get("F2FP", 0) == (2 if r["kernel"].endswith("bf16 MMAs (fewer pairs)") else 66), r
+        assert ops.get("F2FP", 0) == (2 if r["kernel"].endswith("bf16 MMAs (fp16=False)") else 66), r
 
 
 def test_unsupported_names_the_reason():
