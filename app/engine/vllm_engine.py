@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 from app.config import EngineConfig, FP4Config
 from app.engine.engine import RequestMetrics, RequestOutput, resolve_tokenizer
-from app.engine.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestTimeoutError
+from app.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError,
+                               RequestTimeoutError)
 from app.engine.kv_events import KVEvent
 from app.engine.loader import DUMMY_MODELS, load_model_config
 from app.engine.sampling_params import SamplingParams
@@ -227,6 +228,7 @@ class VLLMEngine:
         self._waiting: dict[str, int] = {}  # request id -> prompt tokens, until its first output
         self._active: dict[str, list[str]] = {}  # request id -> its vLLM request ids (one per choice)
         self._last_progress = time.monotonic()
+        self._abort_tasks: set = set()
         self._stopped = False
         t0 = time.perf_counter()
         logger.info("starting vLLM's engine: %s", args)
@@ -291,7 +293,9 @@ class VLLMEngine:
             raise InvalidRequestError(f"sampling params must be a SamplingParams (got {type(params).__name__})")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt_ids(ids, self.vocab_size)
-        check_request_fits(len(ids), params.max_tokens, self.max_model_len, self.num_kv_blocks, self.config.block_size)
+        # vLLM computes at least one token (max_tokens 0 asks for one), so the check counts one
+        check_request_fits(len(ids), max(1, params.max_tokens), self.max_model_len, self.num_kv_blocks,
+                           self.config.block_size)
         return ids, params
 
     async def generate(self, prompt, params: SamplingParams | None = None,
@@ -370,13 +374,18 @@ class VLLMEngine:
 
     def _error(self, e: BaseException) -> BaseException:
         """vLLM's exceptions as ours (typed, through the handle)."""
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError as VEngineDeadError
 
         if isinstance(e, VEngineDeadError) or self.llm.errored:
             return EngineDeadError(f"vLLM's engine died: {e!r}")
-        if isinstance(e, ValueError):
+        if isinstance(e, (ValueError, VLLMClientError)):  # vLLM's validation errors are VLLMClientError
             return InvalidRequestError(str(e))
-        return e
+        if isinstance(e, GracefulHTTPError):  # its queue is full
+            return EngineOverloadedError(str(e))
+        if isinstance(e, asyncio.CancelledError):
+            return e
+        return RequestFailedError(f"vLLM failed the request: {e!r}")  # no vLLM class crosses the handle
 
     def _convert(self, request_id: str, prompt_ids: list[int], params: SamplingParams, choice: _Choice, out,
                  arrival: float) -> RequestOutput:
@@ -429,11 +438,14 @@ class VLLMEngine:
         """Abort a request (its stream ends); unknown ids are ignored. Call from the event loop."""
         ids = self._active.get(request_id)
         if ids:
-            asyncio.get_running_loop().create_task(self.llm.abort(list(ids)))
+            task = asyncio.get_running_loop().create_task(self.llm.abort(list(ids)))
+            self._abort_tasks.add(task)  # a reference until it ran
+            task.add_done_callback(self._abort_tasks.discard)
 
     # -- stats and events ----------------------------------------------------------------------------
     def _record_stats(self, scheduler_stats, iteration_stats) -> None:  # the event loop (vLLM's output handler)
-        if scheduler_stats is not None:
+        if scheduler_stats is not None:  # every engine step sends them, prefill-only steps too: the stall clock
+            self._last_progress = time.monotonic()
             self.num_steps += 1
             self._sched = {"num_running": scheduler_stats.num_running_reqs,
                            "num_waiting": scheduler_stats.num_waiting_reqs,

@@ -275,12 +275,18 @@ class ZmqEventSubscriber:
         self.num_batches += 1
         try:
             _, events = decode_batch(payload)
-        except ValueError as e:  # not a KV event batch: count it, keep following
+        except (ValueError, TypeError) as e:  # not a KV event batch: count it, keep following
             self.num_bad += 1
             logger.warning("KV event batch %d from %s is malformed: %s", seq, self.endpoint, e)
             return
         self.num_events += len(events)
-        self.on_batch(events)
+        try:
+            self.on_batch(events)
+        except Exception:  # the consumer failed on this batch: it cannot trust what it holds now
+            logger.exception("KV event batch %d from %s: the consumer failed; reported as lost", seq, self.endpoint)
+            self.num_lost += 1
+            if self.on_lost is not None:
+                self.on_lost(1)
 
     def _fill_gap(self, replay, seq: int | None):
         """Batches next_seq..seq-1 from the replay socket (seq None: all it has from next_seq on);
