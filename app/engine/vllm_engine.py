@@ -177,7 +177,6 @@ class _EngineInfo:
     max_model_len = property(lambda self: self._outer.max_model_len)
     vocab_size = property(lambda self: self._outer.vocab_size)
     num_kv_blocks = property(lambda self: self._outer.num_kv_blocks)
-    tokenizer = property(lambda self: self._outer.tokenizer)
 
     def worker_info(self) -> list[dict]:
         return self._outer.worker_info()
@@ -271,10 +270,6 @@ class VLLMEngine:
             return [AllBlocksCleared()]
         with self._events_lock:
             return self.rehasher.snapshot_events()
-
-    @property
-    def is_dead(self) -> bool:
-        return self._stopped or self.llm.errored
 
     def check_health(self) -> None:
         if self._stopped:

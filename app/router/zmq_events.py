@@ -228,11 +228,6 @@ class ZmqEventSubscriber:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    @property
-    def stats(self) -> dict:
-        return {"next_seq": self.next_seq, "num_batches": self.num_batches, "num_events": self.num_events,
-                "num_replayed": self.num_replayed, "num_lost": self.num_lost, "num_bad": self.num_bad}
-
     # -- the thread --------------------------------------------------------------------------------
     def _run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
