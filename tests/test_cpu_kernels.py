@@ -67,10 +67,13 @@ def test_cpu_extension_matches_the_torch_reference(name, head_dim, block_size, n
         computed = [c + n for c, n in zip(computed, new)]
 
 
-def test_long_context_decode_and_shared_blocks():
-    """Decodes of 1,000+ tokens where sequences share their first blocks (a prefix-cache hit)."""
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp4"])
+def test_long_context_decode_and_shared_blocks(kv):
+    """Decodes of 1,000+ tokens where sequences share their first blocks (prefix-cache hits): with
+    AVX512-BF16 the sharing ones decode in cascade (the shared blocks once for the group, merged
+    with each one's own tokens by log-sum-exp), the others alone; both agree with the reference."""
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, compute_dtype=torch.bfloat16)
-    ext, ref = (create_kv_cache("fp4", spec, 200, "cpu") for _ in range(2))
+    ext, ref = (create_kv_cache(kv, spec, 200, "cpu") for _ in range(2))
     ref.use_cpu_kernels = False
     gen = torch.Generator().manual_seed(1)
     n = 1300
@@ -80,15 +83,21 @@ def test_long_context_decode_and_shared_blocks():
         cache.store(0, k, v, torch.arange(n))
     shared = list(range(60))  # 960 tokens
     tables = [shared + list(range(100 + 20 * i, 100 + 20 * i + 22)) for i in range(3)]
-    tables[2] = list(range(81))  # contiguous, no sharing
-    seq_lens = [1200, 1290, 1296]
-    meta = AttentionMetadata(slot_mapping=torch.full((3,), -1), block_tables=torch.tensor(tables, dtype=torch.int64)
-                             if len({len(t) for t in tables}) == 1 else
-                             torch.tensor([t + [0] * (82 - len(t)) for t in tables]),
-                             seq_lens=seq_lens, query_start_loc=[0, 1, 2, 3])
-    q = torch.randn(3, 8, 64, generator=gen).bfloat16()
+    tables[2] = list(range(81))[::-1]  # no sharing
+    tables.append(shared[:30] + list(range(140, 160)))  # shares 30 of the blocks, ends in a partial block
+    seq_lens = [1200, 1290, 1296, 790]
+    meta = AttentionMetadata(slot_mapping=torch.full((4,), -1),
+                             block_tables=torch.tensor([t + [0] * (82 - len(t)) for t in tables]),
+                             seq_lens=seq_lens, query_start_loc=[0, 1, 2, 3, 4])
+    q = torch.randn(4, 8, 64, generator=gen).bfloat16()  # GQA 4
     got, want = ext.attention(0, q, meta, 0.125).float(), ref.attention(0, q, meta, 0.125).float()
-    assert rel_err(got, want) < 3e-3  # bf16 output rounding
+    if cpu_kernels.load().has_prefill_bf16():
+        assert ext._cascade_step[1] == [([0, 1, 3], 30)]  # the blocks all three share
+    for i in range(4):  # in cascade also P and (fp8) the gathered prefix round to bf16, as in prefill
+        assert rel_err(got[i], want[i]) < (3e-3 if i == 2 else 5e-3)
+    ext.cascade_min_tokens = 0  # off: every sequence alone
+    alone = ext.attention(0, q, meta, 0.125).float()
+    assert rel_err(alone, want) < 3e-3
 
 
 def test_store_refuses_non_finite_and_writes_nothing():
@@ -141,3 +150,55 @@ def test_padded_projection_keeps_tokens_apart(k):
         if k % 32 == 0:  # with a reduction tail oneDNN's bf16 kernels leak a NaN row into a
             # neighbour at some row counts by themselves (linear leaves those shapes unpadded)
             assert torch.isnan(linear(x, w)).any(1).nonzero().flatten().tolist() == [1]
+
+
+def _causal_ref(q, k, v, scale, causal=True):
+    """float32 attention of q [nq, H, D] at the last nq of k/v's [nk, KVH, D] positions (causal), or
+    of every query over every key; -> (out [nq, H, D], log-sum-exp of the scores [nq, H])."""
+    nq, nk, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    qf = q.float().transpose(0, 1)
+    kf, vf = (x.float().repeat_interleave(group, 1).transpose(0, 1) for x in (k, v))
+    s = qf @ kf.transpose(1, 2) * scale
+    if causal:
+        s.masked_fill_(torch.arange(nk)[None, :] > torch.arange(nk - nq, nk)[:, None], float("-inf"))
+    return (s.softmax(-1) @ vf).transpose(0, 1), s.logsumexp(-1).transpose(0, 1)
+
+
+@pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.load().has_prefill_bf16(),
+                    reason="no AVX512-BF16 prefill on this CPU")
+@pytest.mark.parametrize("nq,nk,heads,kv_heads,head_dim", [
+    (1, 1, 2, 2, 64), (5, 5, 2, 2, 64), (37, 100, 2, 2, 64),  # a row block, a key tile, a partial tile
+    (200, 1000, 9, 3, 64),  # GQA 3 (SmolLM2's heads): rows of three heads per token, blocks across tokens
+    (64, 64, 4, 1, 128), (130, 300, 2, 2, 128), (3, 260, 2, 1, 192), (33, 33, 1, 1, 256),
+])
+def test_prefill_bf16_matches_the_float32_reference(nq, nk, heads, kv_heads, head_dim):
+    """The extension's bf16 flash loop (the CPU's bf16 prefill) agrees with float32 attention to bf16
+    rounding, as torch's flash kernel does, over causal limits that cut key tiles anywhere."""
+    gen = torch.Generator().manual_seed(nq * 1000 + nk)
+    q, k, v = (torch.randn(n, h, head_dim, generator=gen).bfloat16() for n, h in
+               ((nq, heads), (nk, kv_heads), (nk, kv_heads)))
+    k[: nk // 3] *= 4  # a spread of score magnitudes: the online softmax rescales
+    scale = head_dim ** -0.5
+    out = cpu_kernels.prefill(q, k, v, scale)
+    ref, _ = _causal_ref(q, k, v, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    assert rel_err(out.float(), ref) < 8e-3
+    # unmasked, float32 out and the log-sum-exp (cascade decoding's shared-prefix half)
+    out, lse = cpu_kernels.prefix_attention(q, k, v, scale)
+    ref, ref_lse = _causal_ref(q, k, v, scale, causal=False)
+    assert out.dtype == torch.float32 and rel_err(out, ref) < 8e-3
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.load().has_prefill_bf16(),
+                    reason="no AVX512-BF16 prefill on this CPU")
+def test_prefill_bf16_refuses_bad_shapes():
+    q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(3, 2, 64, dtype=torch.bfloat16)  # fewer keys than queries
+    with pytest.raises(RuntimeError, match="head_dim"):
+        cpu_kernels.load().prefill_bf16(torch.empty_like(q), q, kv, kv, 1.0, True, torch.empty(0))
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_kernels.load().prefill_bf16(torch.empty_like(q), q.float(), kv, kv, 1.0, True, torch.empty(0))
+    with pytest.raises(RuntimeError, match="lse"):
+        cpu_kernels.load().prefill_bf16(torch.empty_like(q), q, kv, kv, 1.0, False, torch.empty(3))

@@ -26,6 +26,9 @@ from app.engine.kv_cache_manager import cdiv
 from app.kernels import fp4, fp8
 from app.kernels.attention_ref import causal_attention_ref, decode_attention_ref
 
+# Cascade decoding on the CPU: decodes sharing at least this many prefix tokens attend to them together.
+CASCADE_MIN_TOKENS = 256
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
@@ -49,6 +52,9 @@ class KVCache(ABC):
         self.use_kernels: bool | None = None  # None: decided by kernels_enabled() on first use
         self.use_cpu_kernels: bool | None = None  # None: decided by cpu_kernels_enabled() on first use
         self.check_finite = True  # quantized formats refuse NaN/Inf before writing (a device sync)
+        # Cascade decoding on the CPU (see _shared_prefixes); 0 turns it off.
+        self.cascade_min_tokens = CASCADE_MIN_TOKENS
+        self._cascade_step: tuple[AttentionMetadata, list] | None = None  # (the step's metadata, its groups)
 
     def kernels_enabled(self) -> bool:
         """The one place that picks the path: Triton kernels on CUDA when they support this cache's
@@ -163,9 +169,42 @@ class KVCache(ABC):
         return prefill_attention(query, k_pages, v_pages, meta.block_tables, meta.seq_lens_tensor,
                                  meta.query_start_loc_tensor, scale, self.kernel_formats)
 
+    def _shared_prefixes(self, meta, rows: list[int], seq_lens: list[int]) -> list[tuple[list[int], int]]:
+        """Groups of decoding sequences whose block tables start with the same full blocks (prefix-
+        cache hits on one prompt): [(sequences, shared blocks)], each with >= 2 sequences sharing
+        >= cascade_min_tokens tokens. Computed once per step (every layer reuses it)."""
+        if self.cascade_min_tokens <= 0:
+            return []
+        if self._cascade_step is not None and self._cascade_step[0] is meta:
+            return self._cascade_step[1]
+        bs = self.spec.block_size
+        decodes = [i for i, r in enumerate(rows) if r >= 0 and (seq_lens[i] - 1) // bs * bs >= self.cascade_min_tokens]
+        groups = []
+        if len(decodes) >= 2:
+            tables = meta.block_tables[decodes]
+            by_first: dict[int, list[int]] = {}
+            for j, b in enumerate(tables[:, 0].tolist()):
+                by_first.setdefault(b, []).append(j)
+            for js in by_first.values():
+                if len(js) < 2:
+                    continue
+                cap = min((seq_lens[decodes[j]] - 1) // bs for j in js)  # full blocks before each new token's
+                sub = tables[js, :cap]
+                shared = int((sub == sub[0]).all(0).int().cumprod(0).sum())
+                if shared * bs >= self.cascade_min_tokens:
+                    groups.append(([decodes[j] for j in js], shared))
+        self._cascade_step = (meta, groups)
+        return groups
+
     def _attend_cpu(self, layer, query, meta, scale) -> torch.Tensor:
         """The CPU extension: decodes in one fused call, each prefill chunk over its blocks gathered
-        once (dequantized into the compute dtype) by torch's flash-attention kernel."""
+        once (dequantized into the compute dtype) by the extension's or torch's flash kernel.
+
+        Cascade decoding (bf16 on CPUs with AVX512-BF16): decodes that share prefix blocks attend to
+        them together, the prefix gathered (dequantized) once and all their query rows run through
+        the prefill kernel as one matrix product; each then attends to its own remaining tokens and
+        the two halves merge by log-sum-exp. Without it every sequence re-reads (and, quantized,
+        re-dequantizes) the shared prompt at every step."""
         from app.kernels import cpu_kernels
 
         out = torch.empty_like(query)
@@ -175,6 +214,22 @@ class KVCache(ABC):
         seq_lens_t = meta.seq_lens_tensor
         seq_lens, qsl = seq_lens_t.tolist(), meta.query_start_loc_tensor.tolist()
         rows = [qsl[i] if qsl[i + 1] - qsl[i] == 1 else -1 for i in range(len(seq_lens))]
+        if cpu_kernels.has_prefix_attention(query):
+            for members, shared in self._shared_prefixes(meta, rows, seq_lens):
+                q = query[[rows[i] for i in members]]
+                ids = meta.block_tables[members[0], :shared]
+                k = cpu_kernels.gather(k_pages, k_fmt, ids, query.dtype)
+                v = cpu_kernels.gather(v_pages, v_fmt, ids, query.dtype)
+                out_pre, lse_pre = cpu_kernels.prefix_attention(q, k, v, scale)
+                out_own = torch.empty(q.shape, dtype=torch.float32)
+                lse_own = torch.empty(q.shape[:2], dtype=torch.float32)
+                own_lens = torch.tensor([seq_lens[i] - shared * bs for i in members])
+                cpu_kernels.decode(q, k_pages, v_pages, self.kernel_formats, meta.block_tables[members][:, shared:],
+                                   own_lens, torch.arange(len(members)), scale, out_own, lse_own)
+                out[[rows[i] for i in members]] = cpu_kernels.merge_attention(
+                    out_pre, lse_pre, out_own, lse_own).to(query.dtype)
+                for i in members:
+                    rows[i] = -1  # done
         if any(r >= 0 for r in rows):
             cpu_kernels.decode(query, k_pages, v_pages, self.kernel_formats, meta.block_tables, seq_lens_t,
                                  torch.tensor(rows), scale, out)

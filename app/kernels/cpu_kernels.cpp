@@ -283,8 +283,12 @@ void load_query(const at::Tensor& q, int64_t row, int64_t head0, int G, int D, f
   }
 }
 
-void store_out(at::Tensor& out, int64_t row, int64_t head0, int G, int D, const float* acc, const float* l) {
+// lse (when given, [T, H] float32): the log of the softmax's denominator, m + log(l), for merging
+// with attention over other keys.
+void store_out(at::Tensor& out, int64_t row, int64_t head0, int G, int D, const float* acc, const float* l,
+               const float* m, float* lse) {
   for (int g = 0; g < G; ++g) {
+    if (lse) lse[row * out.size(1) + head0 + g] = m[g] + std::log(l[g]);
     const int64_t at = (row * out.size(1) + head0 + g) * D;
     const float inv = 1.0f / l[g];
     if (out.scalar_type() == at::kBFloat16) {
@@ -318,7 +322,7 @@ struct BlockTable {
 template <typename KR, typename VR>
 void decode_one(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out, const BlockTable& tables,
                 int64_t seq, int64_t row, int64_t seq_len, int64_t kv_head, int G, int D, int block_size,
-                float scale, std::vector<float>& buf) {
+                float scale, std::vector<float>& buf, float* lse) {
   float* qv = buf.data();            // [G, D]
   float* acc = qv + G * D;           // [G, D]
   float* kt = acc + G * D;           // [D, TILE]: K of the tile, transposed
@@ -363,7 +367,7 @@ void decode_one(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out
       }
     }
   }
-  store_out(out, row, kv_head * G, G, D, acc, l);
+  store_out(out, row, kv_head * G, G, D, acc, l, m, lse);
 }
 
 #ifdef APP_AVX512
@@ -374,7 +378,7 @@ void decode_one(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out
 template <typename KR, typename VR>
 void decode_one_vec(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out, const BlockTable& tables,
                     int64_t seq, int64_t row, int64_t seq_len, int64_t kv_head, int G, int D, int block_size,
-                    float scale, std::vector<float>& buf) {
+                    float scale, std::vector<float>& buf, float* lse) {
   const int nv = D / 16;
   float* qn = buf.data();      // [G, D] natural order
   float* qp = qn + G * D;      // [G, D] in K's order
@@ -437,13 +441,14 @@ void decode_one_vec(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor&
   }
   for (int g = 0; g < G; ++g)
     for (int e = 0; e < D; ++e) qn[g * D + e] = acc[g * D + VR::pos(e)];  // back in order (qn is free now)
-  store_out(out, row, kv_head * G, G, D, qn, l);
+  store_out(out, row, kv_head * G, G, D, qn, l, m, lse);
 }
 #endif
 
 template <typename KR, typename VR>
 void decode_all(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out, const BlockTable& tables,
-                const at::Tensor& seq_lens, const at::Tensor& rows, int64_t kv_heads, int block_size, double scale) {
+                const at::Tensor& seq_lens, const at::Tensor& rows, int64_t kv_heads, int block_size, double scale,
+                float* lse) {
   const int64_t num_seqs = seq_lens.size(0);
   const int D = int(q.size(2));
   const int G = int(q.size(1) / kv_heads);
@@ -461,11 +466,11 @@ void decode_all(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out
       if (row[seq] < 0) continue;  // not a decode
 #ifdef APP_AVX512
       if (vec) {
-        decode_one_vec(kr, vr, q, out, tables, seq, row[seq], lens[seq], h, G, D, block_size, float(scale), buf);
+        decode_one_vec(kr, vr, q, out, tables, seq, row[seq], lens[seq], h, G, D, block_size, float(scale), buf, lse);
         continue;
       }
 #endif
-      decode_one(kr, vr, q, out, tables, seq, row[seq], lens[seq], h, G, D, block_size, float(scale), buf);
+      decode_one(kr, vr, q, out, tables, seq, row[seq], lens[seq], h, G, D, block_size, float(scale), buf, lse);
     }
   });
   (void)vec;
@@ -667,11 +672,12 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
 }
 }  // namespace
 
-// out, q: [T, num_heads, D]; rows[i]: the query row of sequence i (< 0: skip it); block_tables [S, max_blocks]
+// out (any float dtype), q: [T, num_heads, D]; lse: empty or float32 [T, num_heads] (the LSE, see
+// store_out); rows[i]: the query row of sequence i (< 0: skip it); block_tables [S, max_blocks]
 // int32/int64; seq_lens [S] int64 (tokens attended, the new one included).
 void decode(at::Tensor out, at::Tensor q, int64_t k_kind, std::vector<at::Tensor> k, int64_t k_group,
             int64_t v_kind, std::vector<at::Tensor> v, int64_t v_group, at::Tensor block_tables,
-            at::Tensor seq_lens, at::Tensor rows, double scale) {
+            at::Tensor seq_lens, at::Tensor rows, double scale, at::Tensor lse) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && q.dim() == 3, "q/out: contiguous [T, H, D]");
   TORCH_CHECK(seq_lens.scalar_type() == at::kLong && rows.scalar_type() == at::kLong, "seq_lens/rows: int64");
   const Pages kp = make_pages(k_kind, k, k_group), vp = make_pages(v_kind, v, v_group);
@@ -679,9 +685,17 @@ void decode(at::Tensor out, at::Tensor q, int64_t k_kind, std::vector<at::Tensor
   TORCH_CHECK(seq_lens.size(0) == rows.size(0) && seq_lens.size(0) <= block_tables.size(0), "one row per sequence");
   for (int64_t i = 0; i < seq_lens.size(0); ++i)
     TORCH_CHECK(seq_lens.data_ptr<int64_t>()[i] <= block_tables.size(1) * kp.block_size, "seq_len beyond its block table");
+  float* lse_p = nullptr;
+  if (lse.numel()) {
+    TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == q.size(0) * q.size(1),
+                "lse: float32 [T, H]");
+    lse_p = lse.data_ptr<float>();
+  }
+  TORCH_CHECK(out.sizes() == q.sizes(), "out: q's shape");
   with_reader(kp, [&](const auto& kr) {
     with_reader(vp, [&](const auto& vr) {
-      decode_all(kr, vr, q, out, BlockTable(block_tables), seq_lens, rows, kp.heads, int(kp.block_size), scale);
+      decode_all(kr, vr, q, out, BlockTable(block_tables), seq_lens, rows, kp.heads, int(kp.block_size), scale,
+                 lse_p);
     });
   });
 }
@@ -920,7 +934,244 @@ at::Tensor nonfinite_tokens(at::Tensor key, at::Tensor value) {
   return flags;
 }
 
+// ---- prefill attention in bf16 with AVX512-BF16 dot products ----------------------------------
+//
+// A flash-attention loop per (KV head, block of query rows): scores for a tile of keys from bf16
+// pair dot products (vdpbf16ps) accumulated in float32, an online softmax in float32, the
+// probabilities rounded to bf16 (as torch's flash kernel does) for the product with V, the output
+// divided by the softmax sum at the end. K and V of the head are first repacked so that one
+// 512-bit load carries the operand of 16 lanes: K as [key/16][D/2][16] words (a word = the two bf16
+// of one dimension pair of one key), V as [key/2][D] words (a word = one dimension of two keys).
+// The query rows of a KV head are its query heads' rows for every token (GQA folded into rows).
+namespace {
+#if defined(APP_AVX512) && defined(__AVX512BF16__)
+#define APP_PREFILL_BF16 1
+
+constexpr int PF_ROWS = 24;   // query rows per block (a multiple of the two micro-kernels' rows)
+constexpr int PF_KEYS = 128;  // keys per tile (a multiple of 32)
+constexpr int QK_ROWS = 8, PV_ROWS = 6;
+
+// 2^x for 16 floats, x <= 0 (x <= -150 gives exactly 0): 2^round(x) by scalef times a degree-6
+// polynomial on [-0.5, 0.5] (rel. err ~2e-7), as fast_exp.
+inline __m512 vexp2(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[r][0, 32) = q[r] . k[key0 + j] for R rows (q rows of D bf16 = D/2 words, stride ldq words).
+template <int R>
+inline void qk_tile(const uint32_t* q, int ldq, const uint32_t* kp, int D, float* s, int lds) {
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  const uint32_t* k0 = kp;                 // keys key0 .. key0 + 16
+  const uint32_t* k1 = kp + 16 * (D / 2);  // the next 16
+  for (int p = 0; p < D / 2; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(k0 + 16 * p);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(k1 + 16 * p);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int(q[r * ldq + p]));
+      a0[r] = _mm512_dpbf16_ps(a0[r], a, b0);
+      a1[r] = _mm512_dpbf16_ps(a1[r], a, b1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(s + r * lds, a0[r]);
+    _mm512_storeu_ps(s + r * lds + 16, a1[r]);
+  }
+}
+
+// o[r][0, 64) += p[r] . v[0, n) (p rows of n bf16, n even, stride ldp words; vp: [n/2][D] words).
+template <int R>
+inline void pv_tile(const uint32_t* p, int ldp, const uint32_t* vp, int D, int n, float* o, int ldo) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_loadu_ps(o + r * ldo + 16 * j);
+  for (int m = 0; m < n / 2; ++m) {
+    __m512bh b[4];
+    for (int j = 0; j < 4; ++j) b[j] = (__m512bh)_mm512_loadu_si512(vp + m * D + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int(p[r * ldp + m]));
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + r * ldo + 16 * j, acc[r][j]);
+}
+
+template <int MAXR, template <int> class F, typename... A>
+inline void rows_dispatch(int rows, A... args) {
+  switch (rows) {
+    case 1: F<1>::run(args...); break;
+    case 2: F<2>::run(args...); break;
+    case 3: F<3>::run(args...); break;
+    case 4: F<4>::run(args...); break;
+    case 5: F<5>::run(args...); break;
+    case 6: F<6>::run(args...); break;
+    case 7: if constexpr (MAXR >= 7) F<7>::run(args...); break;
+    case 8: if constexpr (MAXR >= 8) F<8>::run(args...); break;
+  }
+}
+template <int R> struct QK { template <typename... A> static void run(A... a) { qk_tile<R>(a...); } };
+template <int R> struct PV { template <typename... A> static void run(A... a) { pv_tile<R>(a...); } };
+
+// One block of rows [r0, r1) of KV head h: rows are (token, query head of the group) pairs.
+void prefill_block(const uint16_t* q, void* out, bool out_f32, float* lse, const uint32_t* kp, const uint32_t* vp,
+                   int64_t nq, int64_t nk, int H, int G, int h, int D, float scale, bool causal, int64_t r0, int64_t r1) {
+  const int R = int(r1 - r0), ldq = D / 2;
+  alignas(64) uint32_t qb[PF_ROWS * 128];  // D <= 256
+  alignas(64) float s[PF_ROWS * PF_KEYS];
+  alignas(64) uint16_t pb[PF_ROWS * PF_KEYS];
+  alignas(64) float o[PF_ROWS * 256];
+  float m[PF_ROWS], l[PF_ROWS];
+  int64_t limit[PF_ROWS];  // keys [0, limit) are visible to the row
+  const int64_t base = nk - nq;
+  for (int r = 0; r < R; ++r) {
+    const int64_t t = (r0 + r) / G, head = int64_t(h) * G + (r0 + r) % G;
+    std::memcpy(qb + r * ldq, q + (t * H + head) * D, D * 2);
+    limit[r] = causal ? base + t + 1 : nk;
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  std::memset(o, 0, sizeof(float) * R * D);
+  const float c = scale * 1.44269504088896341f;  // scores in log2 units
+  const int64_t end = limit[R - 1];              // the last row sees the most keys (or all see all)
+  for (int64_t k0 = 0; k0 < end; k0 += PF_KEYS) {
+    const int n = int(std::min<int64_t>(PF_KEYS, end - k0));
+    const int n32 = (n + 31) / 32 * 32;
+    for (int j = 0; j < n32; j += 32)
+      for (int r = 0; r < R; r += QK_ROWS)
+        rows_dispatch<8, QK>(std::min(QK_ROWS, R - r), qb + r * ldq, ldq, kp + (k0 + j) * (D / 2), D,
+                             s + r * PF_KEYS + j, PF_KEYS);
+    for (int r = 0; r < R; ++r) {
+      float* sr = s + r * PF_KEYS;
+      const int valid = int(std::max<int64_t>(0, std::min<int64_t>(n32, limit[r] - k0)));
+      __m512 mx = _mm512_set1_ps(m[r]);
+      for (int j = 0; j < n32; j += 16) {
+        const __mmask16 keep = j + 16 <= valid ? __mmask16(0xFFFF) : j >= valid ? 0 : __mmask16((1u << (valid - j)) - 1);
+        const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), keep, _mm512_loadu_ps(sr + j), _mm512_set1_ps(c));
+        _mm512_storeu_ps(sr + j, x);
+        mx = _mm512_max_ps(mx, x);
+      }
+      const float mnew = _mm512_reduce_max_ps(mx);
+      const float corr = m[r] == -INFINITY ? 0.0f : std::exp2(m[r] - mnew);
+      m[r] = mnew;
+      const __m512 mv = _mm512_set1_ps(mnew);
+      __m512 sum = _mm512_setzero_ps();
+      uint16_t* pr = pb + r * PF_KEYS;
+      for (int j = 0; j < n32; j += 16) {
+        const __m512 e = vexp2(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv));
+        const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), eb);
+        sum = _mm512_add_ps(sum, e);
+      }
+      l[r] = l[r] * corr + _mm512_reduce_add_ps(sum);
+      if (corr != 1.0f) {
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(cv, _mm512_loadu_ps(o + r * D + d)));
+      }
+    }
+    const uint32_t* p32 = reinterpret_cast<const uint32_t*>(pb);
+    for (int d = 0; d < D; d += 64)
+      for (int r = 0; r < R; r += PV_ROWS)
+        rows_dispatch<6, PV>(std::min(PV_ROWS, R - r), p32 + r * (PF_KEYS / 2), PF_KEYS / 2,
+                             vp + (k0 / 2) * D + d, D, n32, o + r * D + d, D);
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t t = (r0 + r) / G, head = int64_t(h) * G + (r0 + r) % G;
+    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+    if (lse) lse[t * H + head] = (m[r] + std::log2(l[r])) * 0.69314718055994531f;  // natural log
+    if (out_f32) {
+      float* dst = static_cast<float*>(out) + (t * H + head) * D;
+      for (int d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(inv, _mm512_loadu_ps(o + r * D + d)));
+      continue;
+    }
+    uint16_t* dst = static_cast<uint16_t*>(out) + (t * H + head) * D;
+    for (int d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, _mm512_loadu_ps(o + r * D + d))));
+  }
+}
+#endif
+}  // namespace
+
+bool has_prefill_bf16() {
+#ifdef APP_PREFILL_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+// q: [nq, H, D] bf16; k, v: [nk, KVH, D] bf16; out: q's shape, bf16 or float32 (all contiguous).
+// causal: query i sits at key nk - nq + i and sees keys [0, nk - nq + i]; otherwise every query sees
+// every key. lse: empty, or float32 [nq, H] <- log of each softmax's denominator (for merging).
+void prefill_bf16(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, double scale, bool causal,
+                  at::Tensor lse) {
+#ifdef APP_PREFILL_BF16
+  for (const at::Tensor* x : {&q, &k, &v})
+    TORCH_CHECK(x->is_contiguous() && x->scalar_type() == at::kBFloat16 && x->dim() == 3, "contiguous bf16 [n, heads, D]");
+  TORCH_CHECK(out.is_contiguous() && (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
+              "out: contiguous bf16 or float32");
+  const int64_t nq = q.size(0), nk = k.size(0);
+  const int H = int(q.size(1)), KVH = int(k.size(1)), D = int(q.size(2));
+  TORCH_CHECK(out.sizes() == q.sizes() && v.sizes() == k.sizes() && k.size(2) == D, "shapes");
+  TORCH_CHECK(D % 64 == 0 && D <= 256 && H % KVH == 0 && nq > 0 && nk >= (causal ? nq : 1),
+              "head_dim a multiple of 64 up to 256, nk >= nq (causal) or >= 1");
+  float* lse_p = nullptr;
+  if (lse.numel()) {
+    TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == nq * H, "lse: float32 [nq, H]");
+    lse_p = lse.data_ptr<float>();
+  }
+  const int G = H / KVH;
+  const int64_t nk32 = (nk + 31) / 32 * 32;
+  // Repack K and V per head (zeros past nk).
+  std::vector<uint32_t> kp(size_t(KVH) * nk32 * (D / 2), 0u), vp(size_t(KVH) * (nk32 / 2) * D, 0u);
+  const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k.data_ptr());
+  const uint16_t* v16 = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  at::parallel_for(0, KVH * (nk32 / 16), 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t h = b / (nk32 / 16), blk = b % (nk32 / 16);
+      uint32_t* kd = kp.data() + (h * nk32 + blk * 16) * (D / 2);
+      uint16_t* vd = reinterpret_cast<uint16_t*>(vp.data() + (h * (nk32 / 2) + blk * 8) * D);
+      for (int j = 0; j < 16; ++j) {
+        const int64_t key = blk * 16 + j;
+        if (key >= nk) break;
+        const uint32_t* src = k32 + (key * KVH + h) * (D / 2);
+        for (int p = 0; p < D / 2; ++p) kd[p * 16 + j] = src[p];
+        const uint16_t* vs = v16 + (key * KVH + h) * D;
+        uint16_t* vrow = vd + (j / 2) * 2 * D + (j % 2);
+        for (int d = 0; d < D; ++d) vrow[2 * d] = vs[d];
+      }
+    }
+  });
+  const int64_t rows = nq * G, blocks = (rows + PF_ROWS - 1) / PF_ROWS;
+  const uint16_t* q16 = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const bool out_f32 = out.scalar_type() == at::kFloat;
+  at::parallel_for(0, KVH * blocks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int h = int(i / blocks);
+      const int64_t r0 = (i % blocks) * PF_ROWS, r1 = std::min(rows, r0 + PF_ROWS);
+      prefill_block(q16, out.data_ptr(), out_f32, lse_p, kp.data() + h * nk32 * (D / 2),
+                    vp.data() + h * (nk32 / 2) * D, nq, nk, H, G, h, D, float(scale), causal, r0, r1);
+    }
+  });
+#else
+  TORCH_CHECK(false, "prefill_bf16 needs a CPU with AVX512-BF16 (check has_prefill_bf16())");
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("prefill_bf16", &prefill_bf16, "prefill attention in bf16 (AVX512-BF16), causal or not, with the LSE");
+  m.def("has_prefill_bf16", &has_prefill_bf16, "whether prefill_bf16 was built");
   m.def("decode", &decode, "paged decode attention over dense / fp8 / fp4 pages");
   m.def("gather", &gather, "dequantize paged blocks into a contiguous tensor");
   m.def("store_fp4", &store_fp4, "quantize vectors to fp4 and write them to their slots");
