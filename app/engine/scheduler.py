@@ -27,6 +27,8 @@ def check_prompt_ids(ids: list, vocab_size: int) -> None:
     Pure: the ingress runs the same check before a request reaches a replica."""
     if not ids:
         raise InvalidRequestError("prompt must not be empty")
+    if set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab_size:
+        return  # the common case at C speed (a 3k-token prompt: ~0.1 ms instead of ~0.5)
     bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size}) (got {bad[:5]})")

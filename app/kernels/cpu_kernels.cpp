@@ -21,12 +21,16 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define APP_AVX512 1
+#if defined(__AVX512BF16__)
+#define APP_AVX512_BF16 1  // bf16 pair dot products (vdpbf16ps): the bf16 decode and prefill loops
+#endif
 #endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -371,6 +375,18 @@ void decode_one(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out
 }
 
 #ifdef APP_AVX512
+// lanes t of the result = the sum of a[t]'s lanes (a[0, 16) is overwritten): pairs of vectors
+// halve into one at each of four levels (8 + 4 + 2 + 1 two-source permutes and adds).
+inline __m512 hsum16(__m512* a) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (int n = 16; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; ++i)
+      a[i] = _mm512_add_ps(_mm512_permutex2var_ps(a[2 * i], even, a[2 * i + 1]),
+                           _mm512_permutex2var_ps(a[2 * i], odd, a[2 * i + 1]));
+  return a[0];
+}
+
 // The same as decode_one with AVX-512 rows: each token's K and V come in as D/16 vectors (codes
 // mapped to values by a permute, the group scales one multiply per 16 values), the score is one
 // FMA per vector and a horizontal add, P x V one FMA per vector; q and the accumulator live in
@@ -386,6 +402,8 @@ void decode_one_vec(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor&
   float* s = acc + G * D;      // [G, TILE]
   float* m = s + G * TILE;     // [G]
   float* l = m + G;            // [G]
+  float* vt = l + G;           // [TILE, D]: the tile's V rows (factor applied), in V's order
+  float* av = vt + TILE * D;   // [G, TILE, 16]: each token's 16 partial scores, summed by hsum16
   load_query(q, row, kv_head * G, G, D, scale, qn);
   for (int g = 0; g < G; ++g)
     for (int e = 0; e < D; ++e) qp[g * D + KR::pos(e)] = qn[g * D + e];
@@ -412,36 +430,142 @@ void decode_one_vec(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor&
         if (ko) {  // q at the outliers' positions times their values, in the same sum
           a = _mm512_fmadd_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), omask, opos, qg, 4), oval, a);
         }
-        s[g * TILE + t] = _mm512_reduce_add_ps(a);
+        _mm512_storeu_ps(av + (g * TILE + t) * 16, a);
       }
     }
     for (int g = 0; g < G; ++g) {
+      __m512 a[TILE];
+      for (int t = 0; t < TILE; ++t) a[t] = t < n ? _mm512_loadu_ps(av + (g * TILE + t) * 16) : _mm512_setzero_ps();
       float* sg = s + g * TILE;
+      _mm512_storeu_ps(sg, hsum16(a));
       const float corr = softmax_tile(sg, n, m[g], l[g]);
       if (corr != 1.0f) {
         const __m512 c = _mm512_set1_ps(corr);
         for (int v = 0; v < nv; ++v) _mm512_storeu_ps(acc + g * D + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * v), c));
       }
     }
-    for (int t = 0; t < n; ++t) {
-      const float f = vr.vload(slots[t], kv_head, x, D);
-      for (int g = 0; g < G; ++g) {
-        float* ag = acc + g * D;
-        const float p = s[g * TILE + t];
-        const __m512 pf = _mm512_set1_ps(p * f);
-        for (int v = 0; v < nv; ++v) _mm512_storeu_ps(ag + 16 * v, _mm512_fmadd_ps(pf, x[v], _mm512_loadu_ps(ag + 16 * v)));
+    for (int t = 0; t < n; ++t) {  // V dequantized once per token, for every query head
+      const __m512 f = _mm512_set1_ps(vr.vload(slots[t], kv_head, x, D));
+      for (int v = 0; v < nv; ++v) _mm512_storeu_ps(vt + t * D + 16 * v, _mm512_mul_ps(f, x[v]));
+    }
+    for (int g = 0; g < G; ++g) {  // P x V, four accumulators at a time held in registers
+      const float* pg = s + g * TILE;
+      float* ag = acc + g * D;
+      for (int v0 = 0; v0 < nv; v0 += 4) {
+        const int k = std::min(4, nv - v0);
+        __m512 o[4];
+        for (int j = 0; j < 4; ++j) o[j] = j < k ? _mm512_loadu_ps(ag + 16 * (v0 + j)) : _mm512_setzero_ps();
+        for (int t = 0; t < n; ++t) {
+          const __m512 pt = _mm512_set1_ps(pg[t]);
+          for (int j = 0; j < 4; ++j)
+            if (j < k) o[j] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + t * D + 16 * (v0 + j)), o[j]);
+        }
+        for (int j = 0; j < k; ++j) _mm512_storeu_ps(ag + 16 * (v0 + j), o[j]);
+      }
+      for (int t = 0; t < n && vo; ++t)
         for (int k = 0; k < vo; ++k) {
           int idx;
           float val;
           vr.outlier(slots[t], kv_head, k, idx, val);
-          ag[VR::pos(idx)] += p * val;
+          ag[VR::pos(idx)] += pg[t] * val;
         }
-      }
     }
   }
   for (int g = 0; g < G; ++g)
     for (int e = 0; e < D; ++e) qn[g * D + e] = acc[g * D + VR::pos(e)];  // back in order (qn is free now)
   store_out(out, row, kv_head * G, G, D, qn, l, m, lse);
+}
+#endif
+
+#ifdef APP_AVX512_BF16
+// 2^x for 16 floats, x <= 0 (x <= -150 gives exactly 0): 2^round(x) by scalef times a degree-6
+// polynomial on [-0.5, 0.5] (rel. err ~2e-7), as fast_exp.
+inline __m512 vexp2(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// decode_one for bf16 pages and a bf16 query, D = 16 * NV: a tile's 16 scores come from bf16 pair
+// dot products (vdpbf16ps, exact products summed in float32) reduced together (hsum16), the
+// online softmax runs on the tile's vector (log2 units), P x V is float32 FMAs into accumulators
+// held in registers across the tile.
+template <int NV>
+void decode_one_bf16(const DenseReader& kr, const DenseReader& vr, const at::Tensor& q, at::Tensor& out,
+                     const BlockTable& tables, int64_t seq, int64_t row, int64_t seq_len, int64_t kv_head, int G,
+                     int block_size, float scale, std::vector<float>& buf, float* lse) {
+  constexpr int D = 16 * NV, NK = D / 32;
+  float* acc = buf.data();   // [G, D]
+  float* p = acc + G * D;    // [G, TILE]
+  float* m = p + G * TILE;   // [G], log2 units
+  float* l = m + G;          // [G]
+  std::fill(acc, acc + G * D, 0.0f);
+  std::fill(m, m + G, -INFINITY);
+  std::fill(l, l + G, 0.0f);
+  const uint16_t* qrow = reinterpret_cast<const uint16_t*>(q.data_ptr()) + (row * q.size(1) + kv_head * G) * D;
+  const uint16_t* kbase = static_cast<const uint16_t*>(kr.base);
+  const uint16_t* vbase = static_cast<const uint16_t*>(vr.base);
+  const float c = scale * 1.44269504088896341f;
+  const uint16_t* kt[TILE];
+  const uint16_t* vt[TILE];
+  for (int64_t t0 = 0; t0 < seq_len; t0 += TILE) {
+    const int n = int(std::min<int64_t>(TILE, seq_len - t0));
+    for (int t = 0; t < n; ++t) {
+      const int64_t pos = t0 + t;
+      const int64_t slot = tables(seq, pos / block_size) * block_size + pos % block_size;
+      kt[t] = kbase + (slot * kr.heads + kv_head) * D;
+      vt[t] = vbase + (slot * vr.heads + kv_head) * D;
+    }
+    const __mmask16 valid = n == TILE ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    for (int g = 0; g < G; ++g) {
+      __m512bh qv[NK];
+      for (int j = 0; j < NK; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qrow + g * D + 32 * j);
+      __m512 a[TILE];
+      for (int t = 0; t < TILE; ++t) {
+        a[t] = _mm512_setzero_ps();
+        if (t < n)
+          for (int j = 0; j < NK; ++j) a[t] = _mm512_dpbf16_ps(a[t], qv[j], (__m512bh)_mm512_loadu_si512(kt[t] + 32 * j));
+      }
+      const __m512 sv = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, hsum16(a), _mm512_set1_ps(c));
+      const float mnew = std::max(m[g], _mm512_reduce_max_ps(sv));
+      const float corr = std::exp2(m[g] - mnew);
+      m[g] = mnew;
+      const __m512 e = vexp2(_mm512_sub_ps(sv, _mm512_set1_ps(mnew)));
+      _mm512_storeu_ps(p + g * TILE, e);
+      l[g] = l[g] * corr + _mm512_reduce_add_ps(e);
+      __m512 o[NV];
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int v = 0; v < NV; ++v) o[v] = _mm512_mul_ps(cv, _mm512_loadu_ps(acc + g * D + 16 * v));
+      for (int t = 0; t < n; ++t) {
+        const __m512 pt = _mm512_set1_ps(p[g * TILE + t]);
+        for (int v = 0; v < NV; ++v)
+          o[v] = _mm512_fmadd_ps(pt, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vt[t] + 16 * v))), 16)), o[v]);
+      }
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + g * D + 16 * v, o[v]);
+    }
+  }
+  for (int g = 0; g < G; ++g) m[g] *= 0.69314718055994531f;  // natural units for the LSE
+  store_out(out, row, kv_head * G, G, D, acc, l, m, lse);
+}
+
+// Whether decode_one_bf16 takes these readers and shapes (bf16 pages, a bf16 query, D 64/128/256).
+template <typename KR, typename VR>
+int bf16_decode_nv(const KR& kr, const VR& vr, const at::Tensor& q, int D) {
+  if constexpr (std::is_same_v<KR, DenseReader> && std::is_same_v<VR, DenseReader>) {
+    if (kr.dtype == at::kBFloat16 && vr.dtype == at::kBFloat16 && q.scalar_type() == at::kBFloat16 &&
+        (D == 64 || D == 128 || D == 256))
+      return D / 16;
+  }
+  return 0;
 }
 #endif
 
@@ -459,11 +583,26 @@ void decode_all(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out
 #else
   const bool vec = false;
 #endif
+#ifdef APP_AVX512_BF16
+  const int nv16 = bf16_decode_nv(kr, vr, q, D);
+#endif
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(3 * G * D + 2 * D * TILE + G * TILE + 2 * G + D);
+    std::vector<float> buf(3 * G * D + 2 * D * TILE + G * TILE + 2 * G + D + 16 * G * TILE);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t seq = i / kv_heads, h = i % kv_heads;
       if (row[seq] < 0) continue;  // not a decode
+#ifdef APP_AVX512_BF16
+      if constexpr (std::is_same_v<KR, DenseReader> && std::is_same_v<VR, DenseReader>) {
+        if (nv16) {
+          const int64_t r = row[seq], len = lens[seq];
+          const float sc = float(scale);
+          if (nv16 == 4) decode_one_bf16<4>(kr, vr, q, out, tables, seq, r, len, h, G, block_size, sc, buf, lse);
+          else if (nv16 == 8) decode_one_bf16<8>(kr, vr, q, out, tables, seq, r, len, h, G, block_size, sc, buf, lse);
+          else decode_one_bf16<16>(kr, vr, q, out, tables, seq, r, len, h, G, block_size, sc, buf, lse);
+          continue;
+        }
+      }
+#endif
 #ifdef APP_AVX512
       if (vec) {
         decode_one_vec(kr, vr, q, out, tables, seq, row[seq], lens[seq], h, G, D, block_size, float(scale), buf, lse);
@@ -599,6 +738,20 @@ inline int ceil_log2(float v) {
   return m == 0.5f ? e - 1 : e;
 }
 
+// x in [2^-6, 448] (e4m3's normal range, which the scale search guarantees) rounded to e4m3 as
+// c10::Float8_e4m3fn does (nearest, ties to even): the value, and its byte in `bits`. The float's
+// mantissa rounded to 3 bits in place; a carry moves into the exponent, as it should.
+inline float e4m3_round_normal(float x, uint8_t& bits) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u += 0x7FFFFu + ((u >> 20) & 1u);
+  u &= ~0xFFFFFu;
+  bits = uint8_t(((((u >> 23) & 0xFFu) - 127u + 7u) << 3) | ((u >> 20) & 7u));
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
 // One vector x[D] (float, modified) -> its fp4 record at row r of the pages (fp4.fp4_quantize).
 void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vector<float>& targets, int64_t r,
                       uint8_t* codes, uint8_t* scales, uint8_t* scale_exp, at::BFloat16* out_vals, uint8_t* out_idx) {
@@ -609,7 +762,32 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
   float top_v[16];
   int top_i[16];
   for (int k = 0; k < outliers; ++k) top_v[k] = 0.0f, top_i[k] = -1;
+#ifdef APP_AVX512
+  if (outliers && D % 16 == 0 && D <= 256) {  // the same picks, in order: the largest left, lowest index first
+    __m512 mag[16];
+    for (int v = 0; v < D / 16; ++v) mag[v] = _mm512_abs_ps(_mm512_loadu_ps(x + 16 * v));
+    for (int k = 0; k < outliers; ++k) {
+      __m512 mx = mag[0];
+      for (int v = 1; v < D / 16; ++v) mx = _mm512_max_ps(mx, mag[v]);
+      const float best = _mm512_reduce_max_ps(mx);
+      if (!(best > 0.0f)) break;
+      const __m512 b = _mm512_set1_ps(best);
+      for (int v = 0; v < D / 16; ++v) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(mag[v], b, _CMP_EQ_OQ);
+        if (hit) {
+          const int lane = __builtin_ctz(unsigned(hit));
+          top_v[k] = best;
+          top_i[k] = 16 * v + lane;
+          mag[v] = _mm512_mask_mov_ps(mag[v], __mmask16(1u << lane), _mm512_set1_ps(-1.0f));
+          break;
+        }
+      }
+    }
+  }
+  for (int d = 0; d < D && outliers && !(D % 16 == 0 && D <= 256); ++d) {
+#else
   for (int d = 0; d < D && outliers; ++d) {
+#endif
     const float a = std::fabs(x[d]);
     if (!(a > top_v[outliers - 1])) continue;
     int k = outliers - 1;
@@ -648,14 +826,13 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
     float best_err = INFINITY, best_safe = 1.0f;
     uint8_t best_scale = 0;
     for (size_t c = 0; c < targets.size(); ++c) {
-      const c10::Float8_e4m3fn sc(std::max(amax_n / targets[c], 0.015625f));
-      const float dec = float(sc);
-      const float safe = dec > 0 ? dec : 1.0f;
+      uint8_t bits;
+      const float safe = e4m3_round_normal(std::max(amax_n / targets[c], 0.015625f), bits);
       const float err = group_error(xg, group, safe);
       if (c == 0 || err < best_err) {
         best_err = err;
         best_safe = safe;
-        best_scale = sc.x;
+        best_scale = bits;
       }
     }
     scales[r * ng + g] = best_scale;
@@ -944,28 +1121,12 @@ at::Tensor nonfinite_tokens(at::Tensor key, at::Tensor value) {
 // of one dimension pair of one key), V as [key/2][D] words (a word = one dimension of two keys).
 // The query rows of a KV head are its query heads' rows for every token (GQA folded into rows).
 namespace {
-#if defined(APP_AVX512) && defined(__AVX512BF16__)
+#ifdef APP_AVX512_BF16
 #define APP_PREFILL_BF16 1
 
 constexpr int PF_ROWS = 24;   // query rows per block (a multiple of the two micro-kernels' rows)
 constexpr int PF_KEYS = 128;  // keys per tile (a multiple of 32)
 constexpr int QK_ROWS = 8, PV_ROWS = 6;
-
-// 2^x for 16 floats, x <= 0 (x <= -150 gives exactly 0): 2^round(x) by scalef times a degree-6
-// polynomial on [-0.5, 0.5] (rel. err ~2e-7), as fast_exp.
-inline __m512 vexp2(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // s[r][0, 32) = q[r] . k[key0 + j] for R rows (q rows of D bf16 = D/2 words, stride ldq words).
 template <int R>
