@@ -99,3 +99,77 @@ def test_follower_tracks_the_index_and_routes_on_its_copy_while_the_index_is_dea
         assert follower.epoch == ray.get(actor.ping.remote())
     finally:
         follower.close()
+
+
+def test_index_deployment_health_check_waits_out_a_restart_and_replaces_a_dead_index(ray_local):
+    """The KVIndex deployment's health check: an index Ray is restarting, or one slow to answer,
+    keeps the deployment healthy (failing it would make Serve replace the deployment's replica,
+    whose destructor kills the index for good: the flake CI once hit); an index dead for good is
+    replaced under the same name; one unresponsive past the limit fails the check."""
+    from app.router.index_actor import KVIndex, get_index
+
+    class _SlowIndex(KVIndexActor):
+        """An index whose ping hangs while `hang` is set (a loaded node, or a restart in progress)."""
+
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.hang = False
+
+        async def set_hang(self, hang: bool) -> None:
+            self.hang = hang
+
+        async def ping(self) -> str:
+            import asyncio
+
+            while self.hang:
+                await asyncio.sleep(0.05)
+            return self.epoch
+
+    ray = ray_local
+    app = "hc1"
+    deployment = KVIndex.__new__(KVIndex)  # the Serve constructor needs a replica context
+    deployment._name = index_actor_name(app)
+    deployment._options = {"max_blocks": 1000, "predicted_ttl_s": 60}
+    deployment.actor = deployment._create(timeout_s=30.0)
+    deployment._unresponsive_since = None
+    deployment.PING_TIMEOUT_S = 0.5
+    deployment.UNRESPONSIVE_LIMIT_S = 1.5
+    try:
+        epoch = ray.get(deployment.actor.ping.remote())
+        # restarted by Ray (max_restarts=-1): the check passes, the actor comes back, same handle
+        ray.kill(deployment.actor, no_restart=False)
+        deployment.check_health()
+        assert _wait(lambda: _alive(ray, deployment.actor) not in (None, epoch))
+        deployment.check_health()
+        assert deployment._unresponsive_since is None
+
+        # killed for good: the check creates a new index under the application's name
+        old = deployment.actor
+        ray.kill(old, no_restart=True)
+        assert _wait(lambda: _alive(ray, old) is None)
+        deployment.check_health()
+        assert deployment.actor is not old and ray.get(get_index(app).ping.remote())
+
+        # slow, then unresponsive past the limit: passes, then fails
+        slow = ray.remote(_SlowIndex).options(num_cpus=0, max_concurrency=64).remote()
+        ray.get(slow.ping.remote())
+        ray.get(slow.set_hang.remote(True))
+        ray.kill(deployment.actor, no_restart=True)
+        deployment.actor = slow
+        deployment.check_health()  # 0.5 s unanswered: waited for
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="unresponsive"):
+            while time.monotonic() - t0 < 10:
+                deployment.check_health()
+        ray.get(slow.set_hang.remote(False))
+        deployment.check_health()
+        assert deployment._unresponsive_since is None
+    finally:
+        ray.kill(deployment.actor, no_restart=True)
+
+
+def _alive(ray, actor):
+    try:
+        return ray.get(actor.ping.remote(), timeout=1)
+    except Exception:
+        return None

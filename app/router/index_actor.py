@@ -209,6 +209,9 @@ class KVIndex:
     """Serve deployment (name KVIndex) that owns the application's index actor; see the module
     docstring. It serves no requests: its constructor and health check keep the actor there."""
 
+    PING_TIMEOUT_S = 10.0  # below Serve's health_check_timeout_s (30 s by default)
+    UNRESPONSIVE_LIMIT_S = 120.0
+
     def __init__(self, config) -> None:
         from app.config import ServerConfig
 
@@ -218,6 +221,7 @@ class KVIndex:
         self._name = index_actor_name(serve.get_replica_context().app_name)
         self._options = {"max_blocks": router.index_max_blocks, "predicted_ttl_s": router.predicted_ttl_s}
         self.actor = self._create(timeout_s=60.0)
+        self._unresponsive_since: float | None = None
 
     def _create(self, timeout_s: float):
         """A new actor under the application's name. The name frees only once a previous actor
@@ -240,13 +244,27 @@ class KVIndex:
                 time.sleep(0.2)
 
     def check_health(self) -> None:
-        """An actor killed for good (no restart left) is replaced here; a restarting one is waited
-        for by Serve's health check timeout."""
+        """An actor killed for good (no restart left) is replaced here. One that Ray is restarting
+        (max_restarts=-1), or that answers slowly on a loaded node, is waited for: failing the
+        health check then would make Serve replace this replica, whose destructor kills the actor
+        for good, and the application would have no index until the new replica creates one.
+        Only an actor unresponsive for UNRESPONSIVE_LIMIT_S fails the check."""
         try:
-            ray.get(self.actor.ping.remote(), timeout=10)
+            ray.get(self.actor.ping.remote(), timeout=self.PING_TIMEOUT_S)
+            self._unresponsive_since = None
         except ray.exceptions.ActorDiedError:
             logger.warning("KV index %s died; creating a new one", self._name)
             self.actor = self._create(timeout_s=30.0)
+            self._unresponsive_since = None
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError) as e:
+            now = time.monotonic()
+            if self._unresponsive_since is None:
+                self._unresponsive_since = now
+            waited = now - self._unresponsive_since
+            logger.warning("KV index %s unresponsive for %.0f s (%s); waiting for Ray to restart it",
+                           self._name, waited, type(e).__name__)
+            if waited > self.UNRESPONSIVE_LIMIT_S:
+                raise RuntimeError(f"KV index {self._name} unresponsive for {waited:.0f} s") from e
 
     def __del__(self) -> None:
         actor = getattr(self, "actor", None)
