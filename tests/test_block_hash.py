@@ -1,6 +1,9 @@
 import subprocess
 import sys
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from app.engine.block_hash import ROOT_BLOCK_HASH, hash_block_tokens, hash_request_tokens
 
 
@@ -45,3 +48,17 @@ def test_known_value():
 
 
 KNOWN = 10140212236428646558
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**40), max_size=70), block_size=st.integers(1, 17),
+       parent=st.one_of(st.none(), st.integers(0, 2**64 - 1)))
+def test_request_hashes_are_the_chained_block_hashes(tokens, block_size, parent):
+    """hash_request_tokens packs the whole prompt once (its fast path): the same values as
+    chaining hash_block_tokens block by block, for any parent, block size and trailing part."""
+    expected, h = [], parent
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        h = hash_block_tokens(h, tokens[start : start + block_size])
+        expected.append(h)
+    assert hash_request_tokens(tokens, block_size, parent_hash=parent) == expected
+    assert hash_request_tokens(tuple(tokens), block_size, parent_hash=parent) == expected

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from array import array
 from collections.abc import Sequence
 
 BlockHash = int
+
+_U64 = struct.Struct("<Q")
 
 # The parent of a sequence's first block.
 ROOT_BLOCK_HASH: BlockHash = int.from_bytes(hashlib.sha256(b"app.kv.block-hash.v1").digest()[:8], "little")
@@ -48,6 +51,19 @@ def hash_request_tokens(
     """Hashes of every full block of `token_ids` (a trailing partial block is not hashed)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1 (got {block_size})")
+    if not extra_keys:  # the same bytes as hash_block_tokens, packed once: 0.55 -> 0.3 ms for 3k tokens
+        n = len(token_ids) // block_size * block_size
+        data = array("q", token_ids[:n]).tobytes()
+        length, step = struct.pack("<I", block_size), 8 * block_size
+        parent = ROOT_BLOCK_HASH if parent_hash is None else parent_hash
+        hashes = []
+        for offset in range(0, 8 * n, step):
+            h = hashlib.sha256(_U64.pack(parent))
+            h.update(length)
+            h.update(data[offset : offset + step])
+            parent = int.from_bytes(h.digest()[:8], "little")
+            hashes.append(parent)
+        return hashes
     hashes: list[BlockHash] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent_hash = hash_block_tokens(parent_hash, token_ids[start : start + block_size], extra_keys)

@@ -126,6 +126,12 @@ class KVIndexActor:
         self.index.record_routed(replica_id, block_hashes)
         self._append("routed", replica_id, block_hashes)
 
+    def record_routed_many(self, routed: list[tuple[str, list[int]]]) -> None:
+        """record_routed for each (replica, block hashes): a router's decisions since its last
+        poll, in one call."""
+        for replica_id, block_hashes in routed:
+            self.record_routed(replica_id, block_hashes)
+
     def changes(self, epoch: str | None, after: int) -> tuple[str, int, list | None]:
         """(epoch, version, the change-log entries numbered above `after`), for a router's copy
         that has applied this index's entries up to `after` (epoch None: a copy that never synced).
@@ -279,6 +285,8 @@ class IndexFollower:
     """A router-local copy of the application's index, refreshed by a daemon thread every `poll_s`
     (see the module docstring). `match` and `record_routed` never block on the actor."""
 
+    MAX_PENDING_ROUTED = 10_000
+
     def __init__(self, app_name: str, poll_s: float = 0.1, call_timeout_s: float = 2.0) -> None:
         self.app_name = app_name
         self.poll_s = poll_s
@@ -289,6 +297,7 @@ class IndexFollower:
         self.synced_at: float | None = None  # time.monotonic() of the last successful pull
         self.num_errors = 0
         self._actor = None
+        self._routed: list[tuple[str, list[BlockHash]]] = []  # decisions not yet sent to the actor
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-index-follower-{app_name}", daemon=True)
@@ -307,12 +316,14 @@ class IndexFollower:
             return self.index.match(block_hashes)
 
     def record_routed(self, replica_id: str, block_hashes: list[BlockHash]) -> None:
-        """Applied to the local copy at once, and sent to the actor so that other routers learn it."""
+        """Applied to the local copy at once, and sent to the actor (so that other routers learn
+        it) by the refresh thread, with every other decision since its last poll, in one call:
+        one actor call per poll instead of one per request (at 250 requests a second, 2-3% of an
+        ingress's CPU)."""
         with self._lock:
             self.index.record_routed(replica_id, block_hashes)
-        actor = self._actor
-        if actor is not None:
-            actor.record_routed.remote(replica_id, block_hashes)
+            if len(self._routed) < self.MAX_PENDING_ROUTED:  # an index down for long: drop the rest
+                self._routed.append((replica_id, block_hashes))
 
     def keep_only(self, replica_ids: set[str]) -> None:
         """Forget, in the local copy, replicas this router no longer routes to."""
@@ -348,6 +359,10 @@ class IndexFollower:
             self._actor = get_index(self.app_name)
             if self._actor is None:
                 raise LookupError(f"no actor named {index_actor_name(self.app_name)} (yet)")
+        with self._lock:
+            routed, self._routed = self._routed, []
+        if routed:
+            self._actor.record_routed_many.remote(routed)
         epoch, version, entries = ray.get(self._actor.changes.remote(self.epoch, self.version),
                                           timeout=self.call_timeout_s)
         if entries is None:
