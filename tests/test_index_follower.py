@@ -166,6 +166,7 @@ def test_index_deployment_health_check_waits_out_a_restart_and_replaces_a_dead_i
         assert deployment._unresponsive_since is None
     finally:
         ray.kill(deployment.actor, no_restart=True)
+        deployment.actor = None  # its destructor has nothing left to kill
 
 
 def _alive(ray, actor):

@@ -274,7 +274,7 @@ class KVIndex:
 
     def __del__(self) -> None:
         actor = getattr(self, "actor", None)
-        if actor is not None:
+        if actor is not None and ray.is_initialized():  # ray.kill would start a new Ray otherwise
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:
