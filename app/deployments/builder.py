@@ -10,6 +10,8 @@ overrides what is derived here.
 
 from __future__ import annotations
 
+import os
+
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
@@ -78,10 +80,36 @@ def router_options(config: ServerConfig) -> dict:
     )}
 
 
+# Ray Serve's throughput-optimized mode, minus direct ingress (its controller would need the flag too)
+# and with replica logs written as by default: on stderr (serve run's terminal shows client-error
+# warnings) and to the log files line by line (the mode buffers 1,000 records).
+THROUGHPUT_OPTIMIZED_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    "RAY_SERVE_LOG_TO_STDERR": "1",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
+}
+
+
+def with_serve_env(config: ServerConfig, actor_options: dict) -> dict:
+    """actor_options with the serve_throughput_optimized variables in its runtime_env (those the
+    environment building the application already sets are left to it)."""
+    if not config.serve_throughput_optimized:
+        return actor_options
+    env = {k: v for k, v in THROUGHPUT_OPTIMIZED_ENV.items() if k not in os.environ}
+    if not env:
+        return actor_options
+    runtime_env = dict(actor_options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
+    return {**actor_options, "runtime_env": runtime_env}
+
+
 def build_app(args: dict | ServerConfig | None = None) -> Application:
     """The application `serve run` deploys; `args` are the `args:` of serve_config.yaml."""
     config = ServerConfig.model_validate(args or {})
     engine = config.engine
+    placement = placement_options(config)
+    placement["ray_actor_options"] = with_serve_env(config, placement["ray_actor_options"])
     server = serve.deployment(LLMServer).options(
         name=LLM_SERVER_NAME,
         # Every running and queued request is one ongoing call; the engine refuses beyond its queue.
@@ -91,16 +119,16 @@ def build_app(args: dict | ServerConfig | None = None) -> Application:
         max_queued_requests=config.max_queued_requests,
         health_check_period_s=10,
         health_check_timeout_s=60,
-        **placement_options(config),
+        **placement,
         **router_options(config),
     )
     index = serve.deployment(KVIndex).options(
-        name=INDEX_DEPLOYMENT_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0},
+        name=INDEX_DEPLOYMENT_NAME, num_replicas=1, ray_actor_options=with_serve_env(config, {"num_cpus": 0}),
         health_check_period_s=2, health_check_timeout_s=30,
     )
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_NAME,
         max_ongoing_requests=4 * (engine.max_num_seqs + config.max_queued_requests),
-        ray_actor_options={"num_cpus": _INGRESS_CPUS},
+        ray_actor_options=with_serve_env(config, {"num_cpus": _INGRESS_CPUS}),
     )
     return ingress.bind(server.bind(config, kv_index=index.bind(config)), config)
