@@ -259,11 +259,11 @@ class ServerConfig(BaseModel):
     )
     serve_throughput_optimized: bool = Field(
         True, description="Run the application's replicas with Ray Serve's throughput-optimized data plane "
-        "(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in their runtime_env: handle calls between deployments over gRPC, user "
-        "code and the handle's router on the replica's event loop, the garbage collector frozen after start-up), "
+        "(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in their runtime_env: user code and the handle's router on the "
+        "replica's event loop, the garbage collector frozen after start-up), "
         "without its direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=0: that needs the flag on the Serve "
-        "controller as well) and with replica logs as by default (on stderr, and in the log files line by line). 250 shared-prompt requests on a 2-core "
-        "machine: 1.23x faster (bench/RESULTS.md). Variables already set where the application is built win. "
+        "controller as well) and with replica logs as by default (on stderr, and in the log files line by "
+        "line). 250 shared-prompt requests on a 2-core machine: 1.23x faster (bench/RESULTS.md). Variables already set where the application is built win. "
         "False: Serve's defaults.",
     )
 

@@ -691,38 +691,48 @@ inline float e2m1_magnitude(float a) {
          float(a > 2.5f) + float(a >= 3.5f) + 2.0f * float(a > 5.0f);
 }
 
-// Squared error of a group x[0, n) quantized to E2M1 with the scale `safe`: sum of
+// One group x[0, n) quantized to E2M1 with the scale `safe`: its codes (magnitude code, sign bit 8
+// on nonzero negatives; one byte each) into code[0, n), and the squared error sum of
 // (e2m1(x / safe) * safe - x)^2 (the order of the sum is the only difference from the torch path).
-inline float group_error(const float* x, int n, float safe) {
+inline float group_codes(const float* x, int n, float safe, uint8_t* code) {
   float err = 0.0f;
   int i = 0;
 #ifdef APP_AVX512
   const __m512 s = _mm512_set1_ps(safe);
+  // E2M1 magnitudes by code: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (lanes 8-15 unused)
+  const __m512 grid = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i one = _mm512_set1_epi32(1), eight = _mm512_set1_epi32(8);
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) {
     const __m512 xv = _mm512_loadu_ps(x + i);
     const __m512 v = _mm512_div_ps(xv, s);
     const __m512 a = _mm512_abs_ps(v);
-    __m512 q = _mm512_setzero_ps();
-    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
-    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ), q, half);
-    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.75f), _CMP_GE_OQ), q, half);
-    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.25f), _CMP_GT_OQ), q, half);
-    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.75f), _CMP_GE_OQ), q, half);
-    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.5f), _CMP_GT_OQ), q, one);
-    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.5f), _CMP_GE_OQ), q, one);
-    q = _mm512_mask_add_ps(q, _mm512_cmp_ps_mask(a, _mm512_set1_ps(5.0f), _CMP_GT_OQ), q, two);
-    q = _mm512_mask_sub_ps(q, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), q);
+    __m512i c = _mm512_setzero_si512();
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ), c, one);
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.75f), _CMP_GE_OQ), c, one);
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.25f), _CMP_GT_OQ), c, one);
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.75f), _CMP_GE_OQ), c, one);
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.5f), _CMP_GT_OQ), c, one);
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.5f), _CMP_GE_OQ), c, one);
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(a, _mm512_set1_ps(5.0f), _CMP_GT_OQ), c, one);
+    const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 q = _mm512_permutexvar_ps(c, grid);
+    q = _mm512_mask_sub_ps(q, neg, _mm512_setzero_ps(), q);
     const __m512 diff = _mm512_sub_ps(_mm512_mul_ps(q, s), xv);
     acc = _mm512_fmadd_ps(diff, diff, acc);
+    const __mmask16 signed_ = neg & _mm512_cmpneq_epi32_mask(c, _mm512_setzero_si512());
+    c = _mm512_mask_or_epi32(c, signed_, c, eight);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(code + i), _mm512_cvtepi32_epi8(c));
   }
   err = _mm512_reduce_add_ps(acc);
 #endif
   for (; i < n; ++i) {
     const float v = x[i] / safe;
+    const int c = e2m1_magnitude_code(std::fabs(v));
     const float q = e2m1_magnitude(std::fabs(v));
     const float diff = (v < 0 ? -q : q) * safe - x[i];
     err += diff * diff;
+    code[i] = uint8_t((v < 0 && c > 0) ? c | 8 : c);
   }
   return err;
 }
@@ -809,7 +819,15 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
   float amax[512];
   for (int g = 0; g < ng; ++g) {
     float m = 0.0f;
-    for (int i = 0; i < group; ++i) m = std::max(m, std::fabs(x[g * group + i]));
+    int i = 0;
+#ifdef APP_AVX512
+    if (group % 16 == 0) {  // a maximum is exact in any order
+      __m512 mv = _mm512_setzero_ps();
+      for (; i < group; i += 16) mv = _mm512_max_ps(mv, _mm512_abs_ps(_mm512_loadu_ps(x + g * group + i)));
+      m = _mm512_reduce_max_ps(mv);
+    }
+#endif
+    for (; i < group; ++i) m = std::max(m, std::fabs(x[g * group + i]));
     amax[g] = m;
     top = std::max(top, m);
   }
@@ -820,31 +838,28 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
   const float inv_second = 1.0f / second;  // a power of two: multiplying is dividing, exactly
 #pragma omp simd
   for (int d = 0; d < D; ++d) x[d] *= inv_second;  // units of the second-level scale
+  uint8_t code[2][512];  // the codes of the best candidate so far, and of the one being tried
   for (int g = 0; g < ng; ++g) {
     const float* xg = x + g * group;
     const float amax_n = amax[g] / second;
-    float best_err = INFINITY, best_safe = 1.0f;
+    float best_err = INFINITY;
     uint8_t best_scale = 0;
+    int best = 0;
     for (size_t c = 0; c < targets.size(); ++c) {
       uint8_t bits;
       const float safe = e4m3_round_normal(std::max(amax_n / targets[c], 0.015625f), bits);
-      const float err = group_error(xg, group, safe);
+      const int cur = c == 0 ? 0 : 1 - best;
+      const float err = group_codes(xg, group, safe, code[cur]);
       if (c == 0 || err < best_err) {
         best_err = err;
-        best_safe = safe;
         best_scale = bits;
+        best = cur;
       }
     }
     scales[r * ng + g] = best_scale;
-    uint8_t code[512];
-#pragma omp simd
-    for (int i = 0; i < group; ++i) {
-      const float v = xg[i] / best_safe;
-      const int c = e2m1_magnitude_code(std::fabs(v));
-      code[i] = uint8_t((v < 0 && c > 0) ? c | 8 : c);
-    }
+    const uint8_t* cb = code[best];
     uint8_t* out = codes + r * (D / 2) + g * group / 2;
-    for (int i = 0; i < group / 2; ++i) out[i] = uint8_t(code[2 * i] | (code[2 * i + 1] << 4));
+    for (int i = 0; i < group / 2; ++i) out[i] = uint8_t(cb[2 * i] | (cb[2 * i + 1] << 4));
   }
 }
 }  // namespace
