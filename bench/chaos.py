@@ -236,7 +236,7 @@ class Chaos:
     # -- faults ----------------------------------------------------------------------------------
     async def faults(self, client) -> None:
         """At 1/4 of the run, with long streams running on every replica, kill one replica; at 1/2,
-        the index actor; then time until the new index knows every live replica's blocks again."""
+        the index actor; then time until the new index knows the blocks of every replica that survived."""
         import ray
 
         from app.router.index_actor import get_index
@@ -260,6 +260,7 @@ class Chaos:
         victim_id = max(stats, key=lambda r: stats[r]["num_running"])
         victim = next(n for n in names if n.endswith("#" + victim_id))
         self.killed_replica = victim_id
+        survivors = {n.rsplit("#", 1)[1] for n in names} - {victim_id}
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         self.events.append((self.now(), f"killed replica {victim_id} (running {stats[victim_id]['num_running']} "
                                         "requests)"))
@@ -276,7 +277,9 @@ class Chaos:
                 stats = await asyncio.wait_for(index.stats.remote(), 2) if index is not None else None
             except Exception:
                 continue
-            if stats and stats["epoch"] != old_epoch and len(stats["replicas"]) >= self.args.replicas:
+            # Every replica that survived the kill holds blocks and publishes them to the new index;
+            # the killed one's replacement holds blocks only once a request has landed on it.
+            if stats and stats["epoch"] != old_epoch and survivors <= set(stats["replicas"]):
                 self.events.append((self.now(), f"new index holds blocks of {len(stats['replicas'])} replicas"))
                 break
         await asyncio.gather(*streams)

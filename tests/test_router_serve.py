@@ -139,15 +139,19 @@ def test_new_session_follows_a_shared_prefix_unless_its_replica_is_overloaded(ur
             r = await client.post(f"{url}/v1/completions", headers={"x-session-id": "newcomer-2"},
                                   json={"model": "tiny-llama", "prompt": shared + " Question C?", "max_tokens": 4,
                                         "temperature": 0})
+            await asyncio.sleep(1.5)  # the replicas' next stats reports: where the streams run
+            running = {rep: st.get("num_running") for rep, st in (await _index().replica_stats.remote()).items()}
             for cm, _ in streams:
                 await cm.__aexit__(None, None, None)
-            return r
+            return r, running
 
-    r = asyncio.run(run())
+    r, running = asyncio.run(run())
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] < BLOCK * 4  # prefilled elsewhere
+    # the last full block of the prompt holds "Question C": only the replica that served it has it
     holders = _confirmed_holders(shared + " Question C?")
-    assert any(rep != owner and n > 0 for rep, n in holders.items()), (owner, holders)
+    where = f"owner {owner}, replicas running {running}, holders of the newcomer's prompt {holders}"
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] < BLOCK * 4, where  # prefilled elsewhere
+    assert any(rep != owner and n > 0 for rep, n in holders.items()), where
 
 
 def test_a_restarted_index_is_rebuilt_by_the_replicas(url):
