@@ -58,12 +58,14 @@ float e4m3_to_float(uint8_t b) {  // float8_e4m3fn: no infinities, 0x7f / 0xff a
   return s ? -v : v;
 }
 
+// E2M1 magnitudes by 3-bit code (the sign is bit 3 of a code).
+constexpr float kE2M1[8] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+
 struct Tables {
   float e4m3[256];
   float e2m1_pair[256][2];  // byte -> (low nibble value, high nibble value)
   Tables() {
-    const float e2m1[8] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-    auto code = [&](int c) { return (c & 8) ? -e2m1[c & 7] : e2m1[c & 7]; };
+    auto code = [&](int c) { return (c & 8) ? -kE2M1[c & 7] : kE2M1[c & 7]; };
     for (int b = 0; b < 256; ++b) {
       e4m3[b] = e4m3_to_float(uint8_t(b));
       e2m1_pair[b][0] = code(b & 0xF);
@@ -679,16 +681,11 @@ void with_reader(const Pages& p, F&& f) {
 }
 
 
-// E2M1 code of a (scaled) value and its magnitude: nearest, ties to even, saturating at 6, as
+// E2M1 code of a (scaled) value's magnitude: nearest, ties to even, saturating at 6, as
 // fp4.e2m1_encode (a midpoint goes up where the even neighbour is the upper one: 0.75, 1.75, 3.5).
-// Branch-free, so the loops over a group vectorize.
 inline int e2m1_magnitude_code(float a) {
   return int(a > 0.25f) + int(a >= 0.75f) + int(a > 1.25f) + int(a >= 1.75f) + int(a > 2.5f) + int(a >= 3.5f) +
          int(a > 5.0f);
-}
-inline float e2m1_magnitude(float a) {
-  return 0.5f * (float(a > 0.25f) + float(a >= 0.75f) + float(a > 1.25f) + float(a >= 1.75f)) +
-         float(a > 2.5f) + float(a >= 3.5f) + 2.0f * float(a > 5.0f);
 }
 
 // One group x[0, n) quantized to E2M1 with the scale `safe`: its codes (magnitude code, sign bit 8
@@ -699,8 +696,7 @@ inline float group_codes(const float* x, int n, float safe, uint8_t* code) {
   int i = 0;
 #ifdef APP_AVX512
   const __m512 s = _mm512_set1_ps(safe);
-  // E2M1 magnitudes by code: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (lanes 8-15 unused)
-  const __m512 grid = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512 grid = _mm512_maskz_loadu_ps(0xFF, kE2M1);  // kE2M1 in lanes 0-7
   const __m512i one = _mm512_set1_epi32(1), eight = _mm512_set1_epi32(8);
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) {
@@ -729,7 +725,7 @@ inline float group_codes(const float* x, int n, float safe, uint8_t* code) {
   for (; i < n; ++i) {
     const float v = x[i] / safe;
     const int c = e2m1_magnitude_code(std::fabs(v));
-    const float q = e2m1_magnitude(std::fabs(v));
+    const float q = kE2M1[c];
     const float diff = (v < 0 ? -q : q) * safe - x[i];
     err += diff * diff;
     code[i] = uint8_t((v < 0 && c > 0) ? c | 8 : c);
