@@ -148,10 +148,14 @@ def test_new_session_follows_a_shared_prefix_unless_its_replica_is_overloaded(ur
     r, running = asyncio.run(run())
     assert r.status_code == 200, r.text
     # the last full block of the prompt holds "Question C": only the replica that served it has it
-    holders = _confirmed_holders(shared + " Question C?")
-    where = f"owner {owner}, replicas running {running}, holders of the newcomer's prompt {holders}"
-    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] < BLOCK * 4, where  # prefilled elsewhere
-    assert any(rep != owner and n > 0 for rep, n in holders.items()), where
+    question = shared + " Question C?"
+    holders = _confirmed_holders(question)
+    where = (f"owner {owner}, replicas running {running}, holders of the newcomer's prompt {holders}, "
+             f"cached tokens {r.json()['usage']['prompt_tokens_details']['cached_tokens']}")
+    served = [rep for rep, n in holders.items() if n == len(ByteTokenizer(320).encode(question)) // BLOCK]
+    assert len(served) == 1 and served[0] != owner, where
+    # Where it went may hold the shared prefix too (a cache hit there is right): the owner's load can
+    # send one of the busy streams, which share the prefix, to another replica first.
 
 
 def test_a_restarted_index_is_rebuilt_by_the_replicas(url):

@@ -107,12 +107,24 @@ class _SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+def transport_of_this_process(handle: DeploymentHandle) -> DeploymentHandle:
+    """The handle with the transport a handle made in this process would use. The LLMServer handle
+    is made where the application is built, outside the replicas' runtime_env, so it arrives set
+    for Ray actor calls; in a replica that runs Serve's throughput-optimized mode
+    (serve_throughput_optimized: RAY_SERVE_THROUGHPUT_OPTIMIZED=1, which makes gRPC Serve's default
+    between deployments) the calls go over that gRPC channel instead, as a handle made here would.
+    Ray 2.60 exposes the choice only as the private `_by_reference` option."""
+    from ray.serve._private.constants import RAY_SERVE_USE_GRPC_BY_DEFAULT
+
+    return handle.options(_by_reference=False) if RAY_SERVE_USE_GRPC_BY_DEFAULT else handle
+
+
 @serve.ingress(app)
 class OpenAIIngress(OpenAIServing):
     """Ray Serve deployment name: OpenAIIngress (see builder.py). Stateless; scales out."""
 
     def __init__(self, llm_server: DeploymentHandle, config: ServerConfig | dict) -> None:
-        super().__init__(llm_server, config)
+        super().__init__(transport_of_this_process(llm_server), config)
         logs.install()  # a client's bad request is a warning line here, not a traceback
         self.api_keys = api_keys(self.config, os.environ)
 
