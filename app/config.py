@@ -147,6 +147,14 @@ class EngineConfig(BaseModel):
         "own graphs, NCCL all-reduces inside; graphs are off, on their own, over gloo and for KV caches the "
         "kernels cannot serve (the engine logs why).",
     )
+    async_scheduling: bool | None = Field(
+        None, description="Schedule and stage step N + 1 while the device runs step N, and detokenize step N's "
+        "tokens while it runs step N + 1 (each step's decode inputs come from the previous step's samples on the "
+        "device). A request that finishes on EOS or a stop string computes one token more, which is dropped; "
+        "outputs are the same. Default (null): on with CUDA and tensor_parallel_size 1, off on the CPU (a step "
+        "runs in the engine's thread there, so there is nothing to overlap). Not supported with "
+        "tensor_parallel_size > 1 yet.",
+    )
     seed: int = Field(0, description="Seed of dummy weights and of unseeded sampling.")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64,

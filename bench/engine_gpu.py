@@ -110,6 +110,12 @@ def make_llm(args, kv: str, enforce_eager: bool, **kw) -> LLM:
                max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=enforce_eager, **kw)
 
 
+def step_seconds(steps: list[dict]) -> list[float]:
+    """Wall time each step added: the gap between its end and the previous step's (with async
+    scheduling a step's own [start, end] overlaps the next one's); the first step's own total."""
+    return [st["total_s"] if i == 0 else st["end"] - steps[i - 1]["end"] for i, st in enumerate(steps)]
+
+
 def timed_generate(llm: LLM, prompts, max_tokens: int, device: str):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.engine.reset_prefix_cache()
@@ -166,10 +172,12 @@ def guarded(args, R: dict, section: str, ident: dict, fn, *a) -> None:
     save(args, R)
 
 
-def throughput_one(args, R: dict, bw: float | None, kv: str, shapes: list[tuple[int, int]]) -> None:
+def throughput_one(args, R: dict, bw: float | None, kv: str, shapes: list[tuple[int, int]],
+                   async_mode: str = "default") -> None:
     N = args.output_len
+    extra = {} if async_mode == "default" else {"async_scheduling": async_mode == "on"}
     llm = make_llm(args, kv, args.enforce_eager, max_num_seqs=max(n for n, _ in shapes),
-                   max_model_len=max(L for _, L in shapes) + N + 1)
+                   max_model_len=max(L for _, L in shapes) + N + 1, **extra)
     eng = llm.engine
     wb, kvpt, vocab = weight_bytes(eng.model), eng.kv_bytes_per_token, eng.vocab_size
     try:
@@ -185,10 +193,11 @@ def throughput_one(args, R: dict, bw: float | None, kv: str, shapes: list[tuple[
             roof = n * bw / (wb + kv_step) if bw else None
             # steady decode: the steps where every request decodes (each ends with its token read);
             # prefill: the prompt tokens over the other steps (chunks, and chunks mixed with decodes)
+            secs = step_seconds(steps)
             dec = [st for st in steps if st["decode_only"]]
-            dec_s = sum(st["total_s"] for st in dec)
+            dec_s = sum(t for st, t in zip(steps, secs) if st["decode_only"])
             decode = sum(st["num_seqs"] for st in dec) / dec_s if dec_s else None
-            pre_s = sum(st["total_s"] for st in steps if not st["decode_only"])
+            pre_s = sum(t for st, t in zip(steps, secs) if not st["decode_only"])
             emit(R, "throughput", {
                 "kv_cache_dtype": kv, "shape": f"{n}x{L}", "requests": n, "prompt_len": L, "output_len": N,
                 "prefill_tok_s": rnd(n * L / pre_s) if pre_s else None, "decode_tok_s": rnd(decode),
@@ -199,19 +208,32 @@ def throughput_one(args, R: dict, bw: float | None, kv: str, shapes: list[tuple[
                 "decode_step_ms": rnd(1e3 * dec_s / len(dec) if dec else None, 3),
                 "t_prefill_steps_s": rnd(pre_s, 3), "t_full_s": rnd(tN, 3),
                 "weight_bytes": wb, "kv_bytes_per_token": kvpt, "kv_bytes_per_step": int(kv_step),
-                "enforce_eager": args.enforce_eager})
+                "enforce_eager": args.enforce_eager, "async_scheduling": eng.async_scheduling})
     finally:
         eng.shutdown()
 
 
 def run_throughput(args, R: dict, bw: float | None) -> None:
     shapes = parse_shapes(args.shapes)
+    modes = args.async_scheduling.split(",")
     for kv in args.kv_dtypes.split(","):
-        guarded(args, R, "throughput", {"kv_cache_dtype": kv}, throughput_one, args, R, bw, kv, shapes)
+        for mode in modes:  # side by side, per KV format
+            guarded(args, R, "throughput", {"kv_cache_dtype": kv, "async_mode": mode}, throughput_one, args, R, bw,
+                    kv, shapes, mode)
     rows = R.get("throughput", [])
-    base = {r["shape"]: r for r in rows if r["kv_cache_dtype"] == "bf16" and "error" not in r}
+    if len(modes) > 1:  # each mode against the first, per format and shape
+        first = {(r["kv_cache_dtype"], r["shape"]): r for r in rows
+                 if "error" not in r and r.get("async_scheduling") == (modes[0] == "on")}
+        for r in rows:
+            b = first.get((r.get("kv_cache_dtype"), r.get("shape")))
+            if b is not None and r is not b and "error" not in r:
+                emit(R, "throughput_async", {"shape": r["shape"], "kv_cache_dtype": r["kv_cache_dtype"],
+                                             "ratio": f"async {r['async_scheduling']} / {b['async_scheduling']}",
+                                             "decode": ratio(r["decode_tok_s"], b["decode_tok_s"]),
+                                             "whole_run": ratio(b["t_full_s"], r["t_full_s"])})
+    base = {(r["shape"], r["async_scheduling"]): r for r in rows if r["kv_cache_dtype"] == "bf16" and "error" not in r}
     for r in rows:
-        b = base.get(r.get("shape"))
+        b = base.get((r.get("shape"), r.get("async_scheduling")))  # bf16 with the same scheduling
         if b is not None and r is not b and "error" not in r:
             r["decode_vs_bf16"] = ratio(r["decode_tok_s"], b["decode_tok_s"])
             r["prefill_vs_bf16"] = ratio(r["prefill_tok_s"], b["prefill_tok_s"])
@@ -379,8 +401,11 @@ def table(title: str, rows: list[dict], cols: list[str]) -> None:
 
 def summary(R: dict) -> None:
     thr = R.get("throughput", [])
-    table("throughput (decode tok/s vs roofline)", thr, ["shape", "kv_cache_dtype", "prefill_tok_s", "decode_tok_s",
-          "roofline_decode_tok_s", "frac_of_roofline", "decode_vs_bf16", "prefill_vs_bf16"])
+    table("throughput (decode tok/s vs roofline)", thr, ["shape", "kv_cache_dtype", "async_scheduling", "prefill_tok_s",
+          "decode_tok_s", "roofline_decode_tok_s", "frac_of_roofline", "decode_step_ms", "decode_vs_bf16",
+          "prefill_vs_bf16", "t_full_s"])
+    table("async scheduling against the first mode", R.get("throughput_async", []),
+          ["shape", "kv_cache_dtype", "ratio", "decode", "whole_run"])
     table("ours bf16 vs HF transformers", R.get("hf", []), ["shape", "engine", "prefill_tok_s", "decode_tok_s",
           "ours_bf16_prefill_tok_s", "ours_bf16_decode_tok_s", "ours_vs_hf_prefill", "ours_vs_hf_decode", "error"])
     cap = [{**r, "ttft_p50/p99": r.get("ttft_ms") and f"{r['ttft_ms']['p50']}/{r['ttft_ms']['p99']}",
@@ -410,7 +435,10 @@ def main() -> None:
         ("--capacity-kv-memory", "16GiB", None), ("--capacity-requests", 128, None),
         ("--capacity-prompt-len", 8192, None), ("--capacity-output-len", 1024, None),
         ("--capacity-max-num-seqs", 128, None), ("--steps-shape", "64x2048", None), ("--steps-output-len", 32, None),
-        ("--steps-kv-dtypes", "bf16,fp4", None), ("--json", None, "results file, rewritten after each section")]:
+        ("--steps-kv-dtypes", "bf16,fp4", None),
+        ("--async-scheduling", "default", "throughput: on, off or default (the engine's: on for CUDA), or a list "
+         "run side by side, e.g. off,on"),
+        ("--json", None, "results file, rewritten after each section")]:
         ap.add_argument(flag, default=default, type=type(default) if default is not None else str, help=help_)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (throughput and capacity)")
     args = ap.parse_args()

@@ -78,7 +78,8 @@ def test_graph_replay_equals_eager(stories_paths, tmp_path, shape, kv_cache_dtyp
                              ignore_eos=True) for i in range(24)]
     abort_at = {6: "r3", 20: "r10"}
     kw = dict(kv_cache_dtype=kv_cache_dtype, max_num_seqs=16, num_kv_blocks=20, block_size=16,
-              max_model_len=256, enable_prefix_caching=True)
+              max_model_len=256, enable_prefix_caching=True,
+              async_scheduling=False)  # its schedule replays every bucket; async: the test below
     results = {}
     for eager in (True, False):
         llm = _widened(stories_paths, tmp_path, shape, enforce_eager=eager, **kw)
@@ -122,3 +123,50 @@ def test_nonfinite_kv_fails_one_request_on_gpu(stories_paths, tmp_path):
     assert [o.token_ids for o in outs[:3]] == alone
     assert outs[3].finish_reason == "error" and "non-finite" in outs[3].error
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_kv_blocks
+
+
+def _async_and_sync(stories_paths, tmp_path, prompts, params, **kw):
+    """Outputs of the same requests without and with async scheduling (decode graphs in both)."""
+    results = {}
+    for mode in (False, True):
+        llm = _widened(stories_paths, tmp_path, "small", async_scheduling=mode, **kw)
+        assert llm.engine.async_scheduling == mode and llm.engine.executor.runner.graphs
+        outs = llm.generate(prompts, params)
+        assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_kv_blocks
+        results[mode] = (outs, llm.engine.scheduler.num_preemptions_total)
+        del llm
+        torch.cuda.empty_cache()
+    return results
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp4"])
+def test_async_scheduling_equals_sync_on_gpu(stories_paths, tmp_path, kv_cache_dtype):
+    """Async scheduling (the default on CUDA: step N + 1 launched before step N's tokens reach the
+    host, its decode inputs filled in on the device, then replayed from a graph) gives the
+    synchronous engine's tokens, greedy and seeded, when both run the same batches: every request
+    admitted at once, each ending by length (known when scheduling, so no step is launched past it)."""
+    rng = random.Random(1)
+    prompts = [rng.choice(WORDS) + " " + rng.choice(WORDS) for _ in range(24)]
+    params = [SamplingParams(temperature=0 if i % 3 else 0.8, seed=i, max_tokens=rng.randrange(4, 120),
+                             ignore_eos=True) for i in range(24)]
+    results = _async_and_sync(stories_paths, tmp_path, prompts, params, kv_cache_dtype=kv_cache_dtype,
+                              max_num_seqs=32, num_kv_blocks=512, max_model_len=256)
+    assert [o.token_ids for o in results[True][0]] == [o.token_ids for o in results[False][0]]
+
+
+def test_async_scheduling_with_stops_and_preemption_on_gpu(stories_paths, tmp_path):
+    """Requests that stop on their end-of-story token or a stop string (async mode computes one step
+    more for them, whose token is dropped) and preemption (a small cache): the synchronous engine's
+    tokens, bf16 KV. (Here the two modes run different batches; with fp4 the decode kernel's split
+    plan follows the batch, so a near-tie may round the other way: not compared.)"""
+    rng = random.Random(2)
+    prompts = ["Once upon a time" if i % 5 == 0 else rng.choice(WORDS) + " " + rng.choice(WORDS) for i in range(24)]
+    params = [SamplingParams(temperature=0 if i % 3 else 0.8, seed=i, max_tokens=rng.randrange(4, 200),
+                             stop=["Lily"] if i % 5 == 0 else None) for i in range(24)]
+    results = _async_and_sync(stories_paths, tmp_path, prompts, params, kv_cache_dtype="bf16", max_num_seqs=16,
+                              num_kv_blocks=24, max_model_len=256)
+    for mode in (False, True):
+        outs, preemptions = results[mode]
+        assert preemptions > 0 and {o.finish_reason for o in outs} == {"stop", "length"}
+    assert [(o.token_ids, o.finish_reason, o.text) for o in results[True][0]] == \
+        [(o.token_ids, o.finish_reason, o.text) for o in results[False][0]]

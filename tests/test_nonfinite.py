@@ -15,10 +15,12 @@ from tests.kernels_testing import page_bits, random_pages
 WORDS = ["Once upon a time", "The little dog", "Lily and Tom"]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("kv_cache_dtype", ["fp4", "fp8", "fp32"])
-def test_nonfinite_kv_fails_only_its_request(stories_paths, kv_cache_dtype):
+def test_nonfinite_kv_fails_only_its_request(stories_paths, kv_cache_dtype, async_scheduling):
     model, tokenizer = stories_paths
-    llm = LLM(model=model, tokenizer=tokenizer, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64, max_num_seqs=8)
+    llm = LLM(model=model, tokenizer=tokenizer, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64, max_num_seqs=8,
+              async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [llm.tokenizer.encode(w) for w in WORDS]
     alone = [o.token_ids for o in llm.generate(prompts, params)]

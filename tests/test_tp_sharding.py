@@ -91,8 +91,8 @@ def test_step_messages_send_only_new_tokens_and_blocks(stories_paths):
     engine = llm.engine
     runner = engine.executor.runner
     messages = []
-    execute = engine.executor._execute
-    engine.executor._execute = lambda m: messages.append(m) or execute(m)
+    launch = engine.executor._launch  # every step's message goes through it
+    engine.executor._launch = lambda m: messages.append(m) or launch(m)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     engine.add_request("a", list(range(1, 30)), params)  # 29 tokens: 4 chunks of <= 8
     engine.add_request("b", list(range(100, 110)), params)

@@ -43,10 +43,11 @@ def test_settings_map_to_vllm_engine_args(peer_dir):
                         enforce_eager=False, seed=3, tensor_parallel_size=1, disable_log_stats=False)
     assert env == {"VLLM_CPU_KVCACHE_SPACE": "3"}
     gpu = EngineConfig(backend="vllm", model=peer_dir, device="cuda", kv_cache_dtype="fp8", tensor_parallel_size=2,
-                       distributed_executor_backend="ray", kv_cache_memory="512MiB")
+                       distributed_executor_backend="ray", kv_cache_memory="512MiB", async_scheduling=True)
     args, env = vllm_engine_args(gpu)
     assert (args["kv_cache_dtype"], args["tensor_parallel_size"], args["distributed_executor_backend"],
-            args["kv_cache_memory_bytes"], args["dtype"], env) == ("fp8_e4m3", 2, "ray", 512 * 2**20, "bfloat16", {})
+            args["kv_cache_memory_bytes"], args["dtype"], args["async_scheduling"], env) == \
+        ("fp8_e4m3", 2, "ray", 512 * 2**20, "bfloat16", True, {})
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -265,7 +265,7 @@ class AsyncLLMEngine:
         """Engine state and counters (taken in the engine thread, read from any thread)."""
         engine = self.engine
         sched = engine.scheduler
-        queued = sum(s.num_tokens - s.num_computed_tokens for s in (*sched.running, *sched.waiting))
+        queued = sum(s.num_tokens - s.num_scheduled_tokens for s in (*sched.running, *sched.waiting))
         return {
             **engine.stats(),
             "num_queued_tokens": queued,  # tokens still to prefill or recompute

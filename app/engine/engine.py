@@ -15,7 +15,7 @@ import torch
 from app.config import EngineConfig
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import InvalidRequestError
-from app.engine.executor import Executor, LocalExecutor
+from app.engine.executor import Executor, LaunchedStep, LocalExecutor
 from app.engine.gguf_file import is_gguf, resolve_model_name
 from app.engine.kv_cache import KVCacheSpec, kv_bytes_per_token
 from app.engine.kv_cache_manager import KVCacheManager
@@ -23,7 +23,7 @@ from app.engine.kv_events import KVEvent
 from app.engine.loader import DUMMY_MODELS, load_model_config
 from app.engine.model_runner import resolve_dtype
 from app.engine.sampling_params import SamplingParams
-from app.engine.scheduler import Scheduler, check_prompt_ids
+from app.engine.scheduler import Scheduler, SchedulerOutput, check_prompt_ids
 from app.engine.sequence import Sequence, SequenceStatus
 from app.engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -73,6 +73,15 @@ class RequestMetrics:
     @property
     def first_token_time(self) -> float | None:
         return self.token_times[0] if self.token_times else None
+
+
+@dataclass(slots=True, eq=False)
+class _LaunchedStep:
+    sched: SchedulerOutput
+    step: LaunchedStep  # the executor's
+    preemptions: list[int]  # Scheduler.on_launched's
+    t_schedule: float  # when its scheduling started (perf_counter)
+    t_launch: float  # when its launch started
 
 
 @dataclass(slots=True, eq=False)
@@ -148,6 +157,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, eos
         )
+        self.async_scheduling = resolve_async_scheduling(config, self.executor)
+        self._in_flight: _LaunchedStep | None = None  # async scheduling: the step launched, not yet collected
         self._requests: dict[str, _RequestState] = {}  # by sequence id
         self._choices: dict[str, list[str]] = {}  # request id of an n > 1 request -> its sequence ids
         # step(), add_request() and abort_request() may be called from different threads (an
@@ -161,8 +172,10 @@ class LLMEngine:
         self.peak_num_running = 0
         # Per-step records for benchmarks: set to a list and every step that runs the model appends
         # {schedule_s, prepare_s, forward_s, sample_s, output_s, total_s, num_seqs, num_tokens,
-        # decode_only, graph, start}; with sync_step_timings the device is synchronized between
-        # phases so that the split is exact (slower), else only total_s and start are.
+        # decode_only, graph, start, end}; with sync_step_timings the device is synchronized between
+        # phases so that the split is exact (slower), else only total_s, start and end are. With async
+        # scheduling a step's [start, end] overlaps the next step's: the time a step adds is the gap
+        # between its end and the previous step's.
         self.step_timings: list[dict] | None = None
         self.sync_step_timings = False
         logger.info(
@@ -260,7 +273,8 @@ class LLMEngine:
             return [self._finish(s.request_id) for s in finished]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or a step in flight whose outputs step() has still to return."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -269,74 +283,108 @@ class LLMEngine:
         A request whose K/V or logits were not finite this step finishes with finish_reason
         "error" (RequestOutput.error says why); its new blocks never enter the prefix cache, and
         every other request goes on.
+
+        With async scheduling (EngineConfig.async_scheduling) a call launches step N + 1 before it
+        waits for step N, whose outputs it returns: the host schedules, stages and detokenizes while
+        the device computes. Step N + 1 is scheduled as if every request of step N went on, with
+        its sampled token as a pending input the device fills in; a request that step N finishes
+        (EOS, a stop string) has computed one token more than it needed, which is dropped.
         """
         with self._lock:
-            t0 = time.perf_counter()
-            sched = self.scheduler.schedule()
-            if sched.is_empty:
-                return []
-            self.peak_num_running = max(self.peak_num_running, self.scheduler.num_running)
-            runner = getattr(self.executor, "runner", None)  # None with tensor parallelism (no synced split)
-            timing = self.step_timings is not None
-            if timing and runner is not None:
-                runner.sync_timings = self.sync_step_timings
-            t1 = time.perf_counter()
-            sampled_seqs, out = self.executor.execute(sched)
-            t2 = time.perf_counter()
-            failed = self._fail_requests(sched, out.failed)
-            for rid, (start, lps, tops) in out.prompt_logprobs.items():
-                state = self._requests.get(rid)
-                if state is None or rid in out.failed:
-                    continue
-                # by position: a preempted request that recomputes its prompt writes the same slots
-                state.prompt_logprobs[start + 1: start + 1 + len(lps)] = lps
-                if tops is not None:
-                    state.prompt_top_logprobs[start + 1: start + 1 + len(tops)] = tops
-            sampled = {}
-            for i, seq in enumerate(sampled_seqs):
-                if seq.request_id in out.failed or seq.sampling_params.max_tokens == 0:
-                    continue  # max_tokens 0: the prompt only (the scheduler finishes it)
-                sampled[seq.request_id] = out.token_ids[i]
-                state = self._requests[seq.request_id]
-                if state.logprobs is not None:
-                    state.logprobs.append(out.logprobs[i])
-                    state.top_logprobs.append(out.top_logprobs[i])
-            finished = {s.request_id for s in self.scheduler.update_from_output(sched, sampled)}
-            outputs = failed
-            for rid in sampled:
-                state = self._requests[rid]
-                state.metrics.token_times.append(t2)
-                stop = state.detokenizer.append([sampled[rid]])
-                if stop is not None:
-                    # A stop string wins over a length limit reached by the same token.
-                    if rid not in finished:
-                        self.scheduler.finish_requests([rid], SequenceStatus.FINISHED_STOPPED)
-                        finished.add(rid)
-                    state.seq.status = SequenceStatus.FINISHED_STOPPED
-                    state.seq.stop_reason = stop
-                outputs.append(self._finish(rid) if rid in finished else self._make_output(state))
-            outputs += [self._finish(rid) for rid in finished if rid not in sampled]  # max_tokens 0
-            if timing:
-                t3 = time.perf_counter()
-                rt = self.executor.last_timing
-                self.step_timings.append({
-                    "start": t0, "schedule_s": t1 - t0, "prepare_s": rt.get("prepare_s", 0.0),
-                    "forward_s": rt.get("forward_s", 0.0), "sample_s": rt.get("sample_s", 0.0),
-                    "output_s": t3 - t2, "total_s": t3 - t0, "num_seqs": len(sched.scheduled),
-                    "num_tokens": sum(n for _, n in sched.scheduled),
-                    "decode_only": all(n == 1 for _, n in sched.scheduled), "graph": rt.get("graph", False)})
-            return outputs
+            try:
+                launched = self._launch()
+                if not self.async_scheduling:
+                    previous = launched
+                else:
+                    previous, self._in_flight = self._in_flight, launched
+                return self._collect(previous) if previous is not None else []
+            except BaseException:
+                self._drop_in_flight()
+                raise
 
-    def _fail_requests(self, sched, failed: dict[str, str]) -> list[RequestOutput]:
-        """Finish the requests the step failed (status error) before their blocks are cached; they
-        leave `sched` so the scheduler does not advance them."""
+    def _launch(self) -> _LaunchedStep | None:
+        """Schedule a step and launch it (None: nothing to run)."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return None
+        self.peak_num_running = max(self.peak_num_running, self.scheduler.num_running)
+        runner = getattr(self.executor, "runner", None)  # None with tensor parallelism (no synced split)
+        if self.step_timings is not None and runner is not None:
+            runner.sync_timings = self.sync_step_timings
+        t1 = time.perf_counter()
+        step = self.executor.launch(sched)
+        return _LaunchedStep(sched, step, self.scheduler.on_launched(sched, step.sampling), t0, t1)
+
+    def _drop_in_flight(self) -> None:
+        """After a failed step: forget the step in flight, if any (its requests recompute what it
+        computed; every rank gets them whole next time)."""
+        if self._in_flight is not None:
+            self.executor.abandon(self._in_flight.step)
+            self._in_flight = None
+        for seq in self.scheduler.requests.values():
+            seq.num_inflight_tokens = seq.num_pending_tokens = 0
+
+    def _collect(self, launched: _LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step and turn its samples into outputs."""
+        sched = launched.sched
+        sampled_seqs, out = self.executor.collect(launched.step)
+        t2 = time.perf_counter()
+        failed = self._fail_requests(out.failed)
+        for rid, (start, lps, tops) in out.prompt_logprobs.items():
+            state = self._requests.get(rid)
+            if state is None or rid in out.failed:
+                continue
+            # by position: a preempted request that recomputes its prompt writes the same slots
+            state.prompt_logprobs[start + 1: start + 1 + len(lps)] = lps
+            if tops is not None:
+                state.prompt_top_logprobs[start + 1: start + 1 + len(tops)] = tops
+        sampled = {}
+        for i, seq in enumerate(sampled_seqs):
+            if seq.request_id in out.failed or seq.sampling_params.max_tokens == 0 or seq.is_finished:
+                continue  # max_tokens 0: the prompt only (the scheduler finishes it); or finished meanwhile
+            sampled[seq.request_id] = out.token_ids[i]
+            state = self._requests[seq.request_id]
+            if state.logprobs is not None:
+                state.logprobs.append(out.logprobs[i])
+                state.top_logprobs.append(out.top_logprobs[i])
+        finished = {s.request_id for s in self.scheduler.update_from_output(sched, sampled, launched.preemptions,
+                                                                            launched.step.sampling)}
+        outputs = failed
+        for rid in sampled:
+            state = self._requests[rid]
+            state.metrics.token_times.append(t2)
+            stop = state.detokenizer.append([sampled[rid]])
+            if stop is not None:
+                # A stop string wins over a length limit reached by the same token.
+                if rid not in finished:
+                    self.scheduler.finish_requests([rid], SequenceStatus.FINISHED_STOPPED)
+                    finished.add(rid)
+                state.seq.status = SequenceStatus.FINISHED_STOPPED
+                state.seq.stop_reason = stop
+            outputs.append(self._finish(rid) if rid in finished else self._make_output(state))
+        outputs += [self._finish(rid) for rid in finished if rid not in sampled]  # max_tokens 0
+        if self.step_timings is not None:
+            t3 = time.perf_counter()
+            rt = self.executor.last_timing
+            t0, t1 = launched.t_schedule, launched.t_launch
+            self.step_timings.append({
+                "start": t0, "schedule_s": t1 - t0, "prepare_s": rt.get("prepare_s", 0.0),
+                "forward_s": rt.get("forward_s", 0.0), "sample_s": rt.get("sample_s", 0.0),
+                "output_s": t3 - t2, "total_s": t3 - t0, "end": t3, "num_seqs": len(sched.scheduled),
+                "num_tokens": sum(n for _, n in sched.scheduled),
+                "decode_only": all(n == 1 for _, n in sched.scheduled), "graph": rt.get("graph", False)})
+        return outputs
+
+    def _fail_requests(self, failed: dict[str, str]) -> list[RequestOutput]:
+        """Finish the requests the step failed (status error) before their blocks are cached (the
+        scheduler then skips them: finished)."""
         failed = {rid: why for rid, why in failed.items() if rid in self._requests}  # not aborted meanwhile
         if not failed:
             return []
         for rid, why in failed.items():
             self._requests[rid].error = why
             logger.warning("request %s failed: %s", rid, why)
-        sched.scheduled = [(s, n) for s, n in sched.scheduled if s.request_id not in failed]
         self.scheduler.finish_requests(list(failed), SequenceStatus.FINISHED_ERROR)
         return [self._finish(rid) for rid in failed]
 
@@ -433,6 +481,18 @@ def _as_list(x) -> list:
     if x is None:
         return []
     return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def resolve_async_scheduling(config: EngineConfig, executor: Executor) -> bool:
+    """EngineConfig.async_scheduling, its default (None) resolved: on where the device runs steps in
+    the background (CUDA, tensor_parallel_size 1), off on the CPU, where a step runs in the caller's
+    thread and overlapping would only delay each output by a step."""
+    if config.async_scheduling is None:
+        return executor.supports_async and torch.device(config.device).type == "cuda"
+    if config.async_scheduling and not executor.supports_async:
+        raise ValueError(f"async_scheduling is not supported with tensor_parallel_size "
+                         f"{config.tensor_parallel_size} yet (its executor runs each step to the end); leave it unset")
+    return config.async_scheduling
 
 
 def create_executor(config: EngineConfig, vocab_size: int, max_model_len: int) -> Executor:

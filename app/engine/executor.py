@@ -16,12 +16,23 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from app.config import EngineConfig
-from app.engine.model_runner import ModelRunner, ScheduledRequest, StepMessage
+from app.engine.model_runner import ModelRunner, ScheduledRequest, StepMessage, StepResult
 from app.engine.sampler import SamplerOutput
 from app.engine.scheduler import SchedulerOutput
 from app.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step started by Executor.launch: its message, the sequences that sample in it (in the order
+    of its rows), and what the executor needs to collect it."""
+
+    message: StepMessage
+    sampling: list[Sequence]
+    handle: object
 
 
 class StepMessageBuilder:
@@ -41,7 +52,8 @@ class StepMessageBuilder:
         """The message of one step, and the sequences that sample, in the order of its rows."""
         requests, sampling = [], []
         for seq, num_new in sched.scheduled:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            start = seq.num_scheduled_tokens  # after the tokens of a step still in flight
+            end = start + num_new
             sent = self._sent.get(seq.request_id)
             whole = sent is None or sent[0] != seq.num_preemptions
             table = seq.block_table
@@ -87,17 +99,37 @@ class Executor(ABC):
 
     def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput]:
         """Run one scheduled step; the sequences that sampled a token and what they sampled."""
+        return self.collect(self.launch(sched))
+
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Start one scheduled step; collect() waits for it. Executors that cannot run a step in the
+        background (supports_async False) run it here."""
         message, sampling = self._messages.build(sched)
         try:
-            out = self._execute(message)
+            handle = self._launch(message)
         except BaseException:
             self._messages.failed(message)
+            raise
+        return LaunchedStep(message, sampling, handle)
+
+    def collect(self, step: LaunchedStep) -> tuple[list[Sequence], SamplerOutput]:
+        """Wait for a launched step: the sequences that sampled a token and what they sampled."""
+        sampling = step.sampling
+        try:
+            out = self._collect(step.handle)
+        except BaseException:
+            self._messages.failed(step.message)
             raise
         if not sampling:  # nothing sampled, but requests may have failed (non-finite K/V) or scored prompt tokens
             return [], SamplerOutput([], None, None, failed=out.failed if out is not None else {},
                                      prompt_logprobs=out.prompt_logprobs if out is not None else {})
         assert out is not None and len(out.token_ids) == len(sampling)
         return sampling, out
+
+    def abandon(self, step: LaunchedStep) -> None:
+        """A launched step will not be collected (a step failed): every rank gets its requests whole
+        next time."""
+        self._messages.failed(step.message)
 
     def release(self, request_id: str) -> None:
         """Forget a finished (or aborted) request on every rank."""
@@ -107,6 +139,18 @@ class Executor(ABC):
     def last_timing(self) -> dict:
         """Rank 0's split of the latest step (prepare_s, forward_s, sample_s, graph), where known."""
         return {}
+
+    # Whether _launch returns before the device has run the step (the engine then schedules the next
+    # step while this one runs: EngineConfig.async_scheduling).
+    supports_async = False
+
+    def _launch(self, message: StepMessage):
+        """Start the message on every rank; what _collect takes. By default it runs to the end here."""
+        return self._execute(message)
+
+    def _collect(self, handle) -> SamplerOutput | None:
+        """Rank 0's sampler output of a launched message."""
+        return handle
 
     @abstractmethod
     def _execute(self, message: StepMessage) -> SamplerOutput | None:
@@ -123,6 +167,8 @@ class Executor(ABC):
 class LocalExecutor(Executor):
     """tensor_parallel_size 1: the model in the engine's process."""
 
+    supports_async = True
+
     def __init__(self, config: EngineConfig, vocab_size: int, max_model_len: int) -> None:
         super().__init__()
         self.runner = ModelRunner(config, vocab_size, max_model_len=max_model_len)
@@ -131,6 +177,12 @@ class LocalExecutor(Executor):
 
     def _execute(self, message: StepMessage) -> SamplerOutput | None:
         return self.runner.execute(message)
+
+    def _launch(self, message: StepMessage) -> StepResult:
+        return self.runner.launch(message)
+
+    def _collect(self, handle: StepResult) -> SamplerOutput | None:
+        return handle.result()
 
     @property
     def last_timing(self) -> dict:

@@ -53,6 +53,10 @@ class InputBuffers:
         self.query_start_loc = _Staged(S + 1, torch.int32, device)  # [S + 1]
         self.row_ids = _Staged(S, torch.int64, device)  # [S] each sequence's row of `table`
         self.sample_rows = _Staged(S, torch.int64, device)  # [<= S] token rows that sample
+        # async scheduling: input rows whose token is one the previous step sampled on the device, and
+        # that token's row in its samples
+        self.pending_dst = _Staged(S, torch.int64, device)
+        self.pending_src = _Staged(S, torch.int64, device)
         self.nonfinite = torch.zeros(T, dtype=torch.int32, device=device)  # [T] flags the KV store sets
         self.block_tables = torch.zeros(S, max_blocks_per_seq, dtype=torch.int32, device=device)  # [S, B]
         self.table = torch.zeros(S, max_blocks_per_seq, dtype=torch.int32, device=device)  # [rows, B], grows
@@ -98,9 +102,12 @@ class InputBuffers:
         if self._copied is not None:
             self._copied.synchronize()
 
-    def upload(self, num_tokens: int, num_seqs: int, num_samples: int) -> None:
+    def upload(self, num_tokens: int, num_seqs: int, num_samples: int,
+               pending: tuple[list[int], list[int], torch.Tensor] | None = None) -> None:
         """Copy the staged step (and the pending table writes) to the device, then gather the step's
-        block-table rows. num_tokens / num_seqs include any padding the host staged."""
+        block-table rows. num_tokens / num_seqs include any padding the host staged. pending: (input
+        rows, rows of `samples`, samples): input_ids[rows] = samples[their rows], on the device (the
+        previous step's tokens, not yet known to the host)."""
         if self._idx:
             n = len(self._idx)
             if n > self._upd_idx.host.shape[0]:
@@ -116,6 +123,13 @@ class InputBuffers:
         self.query_start_loc.upload(num_seqs + 1)
         self.sample_rows.upload(num_samples)
         torch.index_select(self.table, 0, self.row_ids.upload(num_seqs), out=self.block_tables[:num_seqs])
+        if pending is not None:
+            dst, src, samples = pending
+            n = len(dst)
+            self.pending_dst.np[:n] = dst
+            self.pending_src.np[:n] = src
+            self.input_ids.dev.index_copy_(0, self.pending_dst.upload(n),
+                                           samples.index_select(0, self.pending_src.upload(n)))
         if self._copied is not None:
             self._copied.record()
 

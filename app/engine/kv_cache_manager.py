@@ -57,7 +57,7 @@ class KVCacheManager:
         """
         computed_blocks = computed_blocks or []
         bs = self.block_size
-        num_computed = seq.num_computed_tokens + len(computed_blocks) * bs
+        num_computed = seq.num_scheduled_tokens + len(computed_blocks) * bs
         num_required = cdiv(num_computed + num_new_tokens, bs)
         num_new_blocks = max(0, num_required - len(seq.block_table) - len(computed_blocks))
         # Hits on free blocks take them off the free queue, so they count against it too.

@@ -22,8 +22,9 @@ from app.engine.input_batch import InputBuffers
 from app.engine.kv_cache import KVCache, KVCacheSpec, create_kv_cache, kv_bytes_per_token
 from app.engine.kv_cache_manager import cdiv
 from app.engine.loader import load_model
-from app.engine.sampler import Sampler, SamplerOutput
+from app.engine.sampler import PendingSample, Sampler, SamplerOutput
 from app.engine.sampling_params import SamplingParams
+from app.engine.sequence import PENDING_TOKEN
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,9 @@ class ScheduledRequest:
     """One request's part of a step, as the driver sends it to every rank."""
 
     request_id: str
-    token_ids: list[int]  # the tokens whose K/V this step computes
+    # the tokens whose K/V this step computes; PENDING_TOKEN: the token this request sampled in the
+    # previous step, still on the device (async scheduling; only as a one-token row)
+    token_ids: list[int]
     start_pos: int  # position of token_ids[0] (the request's num_computed_tokens)
     block_ids: list[int]  # appended to its block table; the whole table when params is set
     # Set when a rank first sees the request and again after a preemption: the rank (re)starts
@@ -81,6 +84,16 @@ class _RequestState:
     params: SamplingParams
     row: int  # its row of the device block table (InputBuffers.table)
     num_synced: int = 0  # leading block ids of block_table already written to that row
+
+
+class StepResult:
+    """A launched step's result on its way to the host (ModelRunner.launch); result() waits for it."""
+
+    def __init__(self, sample: PendingSample | None = None, finish=None) -> None:
+        self._sample, self._finish = sample, finish
+
+    def result(self) -> SamplerOutput | None:
+        return None if self._sample is None else self._finish(self._sample.result())
 
 
 @dataclass(slots=True)
@@ -164,6 +177,10 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, logits)
         self.graphs_disabled_reason: str | None = None
         self._setup_failed: dict[str, str] = {}  # request id -> why its state could not be set up
+        # the last launched step's samples on the device, and each sampling request's row in them: a
+        # step launched before that one is collected takes its PENDING_TOKEN inputs from there
+        self._prev_tokens: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
         # Per-step phase times (seconds) of the latest step; with sync_timings the device is
         # synchronized between phases so that they are exact (benchmarks only: it costs overlap).
         self.sync_timings = False
@@ -234,6 +251,7 @@ class ModelRunner:
         rows_np = buf.row_ids.np
         seq_lens, qsl = [], [0]
         sample_rows, sample_ids = [], []
+        pending_dst, pending_src = [], []  # input rows whose token the previous step sampled on the device
         t = 0
         for i, r in enumerate(step.requests):
             state = self.requests[r.request_id]
@@ -243,11 +261,22 @@ class ModelRunner:
                 state.num_synced = len(table)
             n, start = len(r.token_ids), r.start_pos
             if n == 1:
-                ids[t] = r.token_ids[0]
+                tok = r.token_ids[0]
+                if tok == PENDING_TOKEN:
+                    src = self._prev_rows.get(r.request_id)
+                    if src is None:
+                        raise RuntimeError(f"request {r.request_id} has a pending input token but did not sample "
+                                           "in the previous step launched on this runner")
+                    pending_dst.append(t)
+                    pending_src.append(src)
+                    tok = 0
+                ids[t] = tok
                 pos[t] = start
                 slots[t] = table[start // bs] * bs + start % bs
                 tok_seq[t] = i
             else:
+                if PENDING_TOKEN in r.token_ids:
+                    raise RuntimeError(f"request {r.request_id}: a pending input token in a {n}-token row")
                 p = np.arange(start, start + n)
                 ids[t:t + n] = r.token_ids
                 pos[t:t + n] = p
@@ -272,7 +301,8 @@ class ModelRunner:
         if padded > num_seqs:
             buf.stage_padding(t, num_seqs, padded)
         num_tokens = t + padded - num_seqs
-        buf.upload(num_tokens, padded, len(sample_rows))
+        pending = (pending_dst, pending_src, self._prev_tokens) if pending_dst else None
+        buf.upload(num_tokens, padded, len(sample_rows), pending)
         meta = self._meta(num_tokens, padded, graph_size is not None)
         return StepInputs(t, num_seqs, graph_size, buf.input_ids.dev[:num_tokens], buf.positions.dev[:num_tokens],
                           meta, buf.sample_rows.dev[:len(sample_rows)], sample_ids)
@@ -356,14 +386,20 @@ class ModelRunner:
         if self.sync_timings and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @torch.inference_mode()
     def execute(self, step: StepMessage) -> SamplerOutput | None:
         """Run one step on this rank; rank 0 returns what the sampling requests sampled, in order,
         and the requests whose K/V or logits were not finite (SamplerOutput.failed)."""
+        return self.launch(step).result()
+
+    @torch.inference_mode()
+    def launch(self, step: StepMessage) -> StepResult:
+        """execute() without waiting for the device: the step's kernels are queued and its samples
+        are on their way to the host (on CUDA; on the CPU the step has run). A later step may take
+        its input tokens from these samples (PENDING_TOKEN) before result() is called."""
         assert self.kv_cache is not None, "allocate_kv_cache() first"
         self._update_requests(step)
         if not step.requests:
-            return None
+            return StepResult()
         t0 = time.perf_counter()
         try:
             inputs = self.prepare(step)
@@ -388,7 +424,7 @@ class ModelRunner:
         self.last_timing = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": 0.0,
                             "graph": inputs.graph_size is not None}
         if self.sampler is None:
-            return None
+            return StepResult()
         # per sequence: did any of its tokens store a NaN/Inf vector
         seq_bad = torch.zeros(inputs.num_seqs, dtype=torch.int64, device=self.device)
         seq_bad.index_add_(0, self.buffers.token_seq.dev[:inputs.num_tokens],
@@ -397,20 +433,30 @@ class ModelRunner:
         if rids:
             logits = logits[:, : self.vocab_size]  # [num_sampled, vocab] float32
             logits_bad = (~torch.isfinite(logits).all(dim=-1)).long()
-            out = self.sampler(logits, [self.requests[rid].params for rid in rids],
-                               [self.generators.get(rid) for rid in rids], extra=torch.cat((seq_bad, logits_bad)))
+            pending = self.sampler(logits, [self.requests[rid].params for rid in rids],
+                                   [self.generators.get(rid) for rid in rids], extra=torch.cat((seq_bad, logits_bad)),
+                                   defer=True)
+            self._prev_tokens, self._prev_rows = pending.token_ids, {rid: i for i, rid in enumerate(rids)}
         else:
-            out = SamplerOutput([], None, None, extra=seq_bad.tolist())
+            pending = PendingSample.of_extra(seq_bad)
+        prompt_logprobs = {}
         if inputs.graph_size is None and any(r.prompt_targets for r in step.requests):
-            out.prompt_logprobs = self._prompt_logprobs(step, hidden)
-        flags = out.extra
-        out.failed = dict(self._setup_failed)
+            prompt_logprobs = self._prompt_logprobs(step, hidden)
+        failed = dict(self._setup_failed)
         self._setup_failed.clear()
-        out.failed |= {r.request_id: "non-finite (NaN/Inf) values in its keys/values" for r, bad
-                      in zip(step.requests, flags[:inputs.num_seqs]) if bad}
-        for rid, bad in zip(rids, flags[inputs.num_seqs:]):
-            if bad and rid not in out.failed:
-                out.failed[rid] = "non-finite (NaN/Inf) logits"
+        num_seqs = inputs.num_seqs
+
+        def finish(out: SamplerOutput) -> SamplerOutput:
+            out.prompt_logprobs = prompt_logprobs
+            flags = out.extra
+            out.failed = failed
+            out.failed |= {r.request_id: "non-finite (NaN/Inf) values in its keys/values" for r, bad
+                           in zip(step.requests, flags[:num_seqs]) if bad}
+            for rid, bad in zip(rids, flags[num_seqs:]):
+                if bad and rid not in out.failed:
+                    out.failed[rid] = "non-finite (NaN/Inf) logits"
+            return out
+
         self._sync()
         self.last_timing["sample_s"] = time.perf_counter() - t2
-        return out
+        return StepResult(pending, finish)

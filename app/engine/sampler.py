@@ -52,9 +52,11 @@ class Sampler:
         self.default_generator = default_generator
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None], extra: torch.Tensor | None = None) -> SamplerOutput:
+                 generators: list[torch.Generator | None], extra: torch.Tensor | None = None,
+                 defer: bool = False) -> SamplerOutput | PendingSample:
         """One token per row. `extra` (an int64 tensor on the logits' device) is read back with the
-        token ids in one device-to-host copy and returned as SamplerOutput.extra."""
+        token ids in one device-to-host copy and returned as SamplerOutput.extra. defer: return a
+        PendingSample (the copy started, not waited for) instead of the SamplerOutput."""
         # logits: [num_rows, vocab]
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError(f"logits must be [num_rows, vocab] with one SamplingParams and one "
@@ -78,7 +80,8 @@ class Sampler:
             rows = _tensor(sampled, torch.long, device)
             token_ids[rows] = _sample(logits[rows], [params[i] for i in sampled],
                                       [generators[i] for i in sampled], shared)
-        return _with_logprobs(logits, token_ids, params, extra)
+        pending = _with_logprobs(logits, token_ids, params, extra)
+        return pending if defer else pending.result()
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -173,26 +176,64 @@ def top_k_top_p_threshold(logits: torch.Tensor, temperature: torch.Tensor, top_k
     return best.gather(1, num_keep - 1)
 
 
-def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                   params: list[SamplingParams], extra: torch.Tensor | None = None) -> SamplerOutput:
+class PendingSample:
+    """A step's samples on their way to the host: on CUDA copied into pinned memory without a sync
+    (result() waits for that copy alone, not for whatever the device runs after it). token_ids stays
+    on the device, where async scheduling's next step takes its input tokens from."""
+
+    def __init__(self, token_ids: torch.Tensor, tensors: list[torch.Tensor], build) -> None:
+        self.token_ids = token_ids  # [rows] int64 on the device
+        self._build = build  # host lists of `tensors` -> SamplerOutput
+        self._event = None
+        if token_ids.device.type == "cuda":
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in tensors]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensors
+
+    @classmethod
+    def of_extra(cls, extra: torch.Tensor) -> PendingSample:
+        """No row sampled: only the caller's `extra` comes back (SamplerOutput.extra)."""
+        return cls(extra[:0], [extra.long()], lambda flags: SamplerOutput([], None, None, flags))
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._build(*(h.tolist() for h in self._host))
+
+
+def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams],
+                   extra: torch.Tensor | None = None) -> PendingSample:
     # logits: [num_rows, vocab]; token_ids: [num_rows]
-    extra_list = None
-    if extra is None:
-        ids = token_ids.tolist()
-    else:
-        both = torch.cat((token_ids.long(), extra.long())).tolist()
-        ids, extra_list = both[: len(token_ids)], both[len(token_ids):]
+    token_ids = token_ids.long()
+    n = len(token_ids)
+    head = token_ids if extra is None else torch.cat((token_ids, extra.long()))  # one copy for both
+
+    def split(both: list[int]) -> tuple[list[int], list[int] | None]:
+        return both[:n], (both[n:] if extra is not None else None)
+
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not wanted:
-        return SamplerOutput(ids, None, None, extra_list)
+        def build_ids(both: list[int]) -> SamplerOutput:
+            ids, extra_list = split(both)
+            return SamplerOutput(ids, None, None, extra_list)
+
+        return PendingSample(token_ids, [head], build_ids)
     logprobs = logits.log_softmax(dim=-1)  # [num_rows, vocab], of the raw logits
-    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     max_n = max(params[i].logprobs for i in wanted)
-    top: list[list[tuple[int, float]] | None] = [None] * len(params)
+    tensors = [head, chosen]
     if max_n:
-        top_values, top_ids = logprobs.topk(max_n, dim=-1)  # [num_rows, max_n] descending
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    for i in wanted:
-        n = params[i].logprobs
-        top[i] = list(zip(top_ids[i][:n], top_values[i][:n])) if n else []
-    return SamplerOutput(ids, chosen, top, extra_list)
+        tensors += list(logprobs.topk(max_n, dim=-1))  # values, ids: [num_rows, max_n] descending
+
+    def build(both, chosen, top_values=None, top_ids=None) -> SamplerOutput:
+        ids, extra_list = split(both)
+        top: list[list[tuple[int, float]] | None] = [None] * len(params)
+        for i in wanted:
+            k = params[i].logprobs
+            top[i] = list(zip(top_ids[i][:k], top_values[i][:k])) if k else []
+        return SamplerOutput(ids, chosen, top, extra_list)
+
+    return PendingSample(token_ids, tensors, build)

@@ -145,7 +145,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_pending_tokens and self._ends_with_pending(seq):
+                i += 1  # it finishes (length) when the step in flight returns its token: nothing to compute
+                continue
+            num_new = min(seq.num_tokens - seq.num_scheduled_tokens, budget)
             assert num_new > 0
             while self.kv.allocate_slots(seq, num_new) is None:
                 victim = self.running.pop()  # the newest running request
@@ -223,38 +226,73 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.num_inflight_tokens = 0  # a step in flight still computes them, into blocks it no longer holds
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(seq)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Advance scheduled requests; append sampled tokens; finish on EOS, stop ids, length.
-
-        `sampled` maps request id -> token for every request whose step reached its last token.
-        Returns the requests that finished in this step (their blocks are already freed).
-        """
-        finished = []
+    def on_launched(self, out: SchedulerOutput, sampling: Iterable[Sequence]) -> list[int]:
+        """The step `out` has been launched: its tokens are in flight and `sampling` (the sequences
+        that sample in it) each have one pending token, so that the next schedule() can start where
+        this step ends. Returns each scheduled sequence's preemption count, for update_from_output."""
         for seq, num_new in out.scheduled:
-            seq.num_computed_tokens += num_new
-            self.kv.cache_computed_blocks(seq)
+            seq.num_inflight_tokens += num_new
+        for seq in sampling:
+            seq.num_pending_tokens += 1
+        return [seq.num_preemptions for seq, _ in out.scheduled]
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           launched_preemptions: list[int] | None = None,
+                           sampling: Iterable[Sequence] | None = None) -> list[Sequence]:
+        """The step `out` (launched with on_launched) has run: advance its requests; append the tokens
+        sampled; finish on EOS, stop ids, length.
+
+        `sampled` maps request id -> token for the requests that keep a token from this step (every
+        request of `sampling` but those with max_tokens 0 and those finished meanwhile). A request
+        finished since the launch (aborted, stopped by its previous token, failed) is skipped; one
+        preempted since (launched_preemptions differs) keeps its token but not the step's K/V, whose
+        blocks it gave up. Returns the requests that finished in this step (their blocks are freed).
+        Without launched_preemptions the step is taken as launched just now (on_launched is called
+        here; the requests whose step reaches their last token sample).
+        """
+        if launched_preemptions is None:
+            sampling = [seq for seq, n in out.scheduled if seq.num_scheduled_tokens + n == seq.num_tokens]
+            launched_preemptions = self.on_launched(out, sampling)
+        finished = []
+        samplers = {seq.request_id for seq in sampling}
+        for (seq, num_new), preemptions in zip(out.scheduled, launched_preemptions):
+            if seq.is_finished:
+                continue
+            if seq.num_preemptions == preemptions:
+                seq.num_inflight_tokens -= num_new
+                seq.num_computed_tokens += num_new
+                self.kv.cache_computed_blocks(seq)
+            if seq.request_id not in samplers:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            seq.num_pending_tokens -= 1
             token = sampled.get(seq.request_id)
             if token is None:
                 if seq.sampling_params.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:
                     finished.extend(self.finish_requests([seq.request_id], SequenceStatus.FINISHED_LENGTH))
-                continue  # a prefill chunk that did not reach the end of the prompt
-            assert seq.num_computed_tokens == seq.num_tokens
+                continue
+            assert seq.num_computed_tokens == seq.num_known_tokens or seq.num_preemptions != preemptions
             seq.append_token(token)
             status = self._stop_status(seq, token)
             if status is not None:
                 finished.extend(self.finish_requests([seq.request_id], status))
         return finished
 
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """Its pending tokens take it to max_tokens or max_model_len: it finishes when they land."""
+        return seq.num_output_tokens + seq.num_pending_tokens >= seq.sampling_params.max_tokens \
+            or seq.num_tokens >= self.max_model_len
+
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         params = seq.sampling_params
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
             seq.stop_reason = token
             return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None

@@ -10,6 +10,10 @@ from app.engine.block_hash import BlockHash, hash_block_tokens
 from app.engine.sampling_params import SamplingParams
 
 
+# A token that a step in flight is sampling: its id is not known on the host yet (async scheduling).
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -49,6 +53,10 @@ class Sequence:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
     block_hashes: list[BlockHash] = field(default_factory=list)  # of the full blocks of all tokens
+    # Async scheduling (engine.py): tokens a launched step is computing (their K/V not yet counted in
+    # num_computed_tokens), and tokens it will sample (not yet known: PENDING_TOKEN in token_slice).
+    num_inflight_tokens: int = 0
+    num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a sequence needs at least one prompt token"
@@ -63,9 +71,26 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens, those still pending (sampled by a step in flight) included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens whose ids are known."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed or being computed: where the next step of this sequence starts."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
     def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end); a pending token reads as PENDING_TOKEN (the model runner takes it
+        from the previous step's samples on the device)."""
+        known = self.num_known_tokens
+        if end > known:
+            head = self.token_slice(start, known) if start < known else []
+            return head + [PENDING_TOKEN] * (end - max(start, known))
         n = self.num_prompt_tokens
         if end <= n:
             return self.prompt_token_ids[start:end]
@@ -78,7 +103,7 @@ class Sequence:
 
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Extend block_hashes over every full block of the current tokens; returns them all."""
-        num_full = self.num_tokens // block_size
+        num_full = self.num_known_tokens // block_size
         while len(self.block_hashes) < num_full:
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else None
