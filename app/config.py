@@ -152,8 +152,9 @@ class EngineConfig(BaseModel):
         "tokens while it runs step N + 1 (each step's decode inputs come from the previous step's samples on the "
         "device). A request that finishes on EOS or a stop string computes one token more, which is dropped; "
         "outputs are the same. Default (null): on with CUDA and tensor_parallel_size 1, off on the CPU (a step "
-        "runs in the engine's thread there, so there is nothing to overlap). Not supported with "
-        "tensor_parallel_size > 1 yet.",
+        "runs in the engine's thread there, so there is nothing to overlap). tensor_parallel_size > 1: with the "
+        "'mp' executor only (each rank launches step N + 1 before it answers step N; rank 0 broadcasts its "
+        "samples to the other ranks), off unless set (not measured on GPUs yet); the 'ray' executor refuses it.",
     )
     seed: int = Field(0, description="Seed of dummy weights and of unseeded sampling.")
     tensor_parallel_size: int = Field(

@@ -157,7 +157,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, eos
         )
-        self.async_scheduling = resolve_async_scheduling(config, self.executor)
+        self.async_scheduling = self.executor.pipelined = resolve_async_scheduling(config, self.executor)
         self._in_flight: _LaunchedStep | None = None  # async scheduling: the step launched, not yet collected
         self._requests: dict[str, _RequestState] = {}  # by sequence id
         self._choices: dict[str, list[str]] = {}  # request id of an n > 1 request -> its sequence ids
@@ -485,13 +485,16 @@ def _as_list(x) -> list:
 
 def resolve_async_scheduling(config: EngineConfig, executor: Executor) -> bool:
     """EngineConfig.async_scheduling, its default (None) resolved: on where the device runs steps in
-    the background (CUDA, tensor_parallel_size 1), off on the CPU, where a step runs in the caller's
-    thread and overlapping would only delay each output by a step."""
+    the background (CUDA) with tensor_parallel_size 1; off on the CPU, where a step runs in the
+    caller's thread and overlapping would only delay each output by a step, and off by default with
+    tensor parallelism (the mp executor supports it; not measured on GPUs yet)."""
     if config.async_scheduling is None:
-        return executor.supports_async and torch.device(config.device).type == "cuda"
+        return executor.supports_async and torch.device(config.device).type == "cuda" \
+            and config.tensor_parallel_size == 1
     if config.async_scheduling and not executor.supports_async:
-        raise ValueError(f"async_scheduling is not supported with tensor_parallel_size "
-                         f"{config.tensor_parallel_size} yet (its executor runs each step to the end); leave it unset")
+        raise ValueError(f"async_scheduling needs an executor that launches steps in the background: the "
+                         f"'{config.distributed_executor_backend}' executor runs each step to the end (use "
+                         "distributed_executor_backend 'mp'), or leave it unset")
     return config.async_scheduling
 
 

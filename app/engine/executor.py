@@ -140,9 +140,11 @@ class Executor(ABC):
         """Rank 0's split of the latest step (prepare_s, forward_s, sample_s, graph), where known."""
         return {}
 
-    # Whether _launch returns before the device has run the step (the engine then schedules the next
-    # step while this one runs: EngineConfig.async_scheduling).
+    # Whether _launch can return before the device has run the step (the engine then schedules the
+    # next step while this one runs: EngineConfig.async_scheduling), and whether the engine does so
+    # (set by the engine; an executor may launch differently then).
     supports_async = False
+    pipelined = False
 
     def _launch(self, message: StepMessage):
         """Start the message on every rank; what _collect takes. By default it runs to the end here."""

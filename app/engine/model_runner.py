@@ -301,11 +301,23 @@ class ModelRunner:
         if padded > num_seqs:
             buf.stage_padding(t, num_seqs, padded)
         num_tokens = t + padded - num_seqs
-        pending = (pending_dst, pending_src, self._prev_tokens) if pending_dst else None
+        pending = (pending_dst, pending_src, self._previous_samples()) if pending_dst else None
         buf.upload(num_tokens, padded, len(sample_rows), pending)
         meta = self._meta(num_tokens, padded, graph_size is not None)
         return StepInputs(t, num_seqs, graph_size, buf.input_ids.dev[:num_tokens], buf.positions.dev[:num_tokens],
                           meta, buf.sample_rows.dev[:len(sample_rows)], sample_ids)
+
+    def _previous_samples(self) -> torch.Tensor:
+        """The previous step's samples on this rank's device. Rank 0 sampled them; under tensor
+        parallelism it broadcasts them (every rank gets the same step, so every rank calls this)."""
+        if self.tp_size == 1:
+            return self._prev_tokens
+        import torch.distributed as dist
+
+        samples = self._prev_tokens if self.tp_rank == 0 else \
+            torch.empty(len(self._prev_rows), dtype=torch.int64, device=self.device)
+        dist.broadcast(samples, src=0)
+        return samples
 
     def _meta(self, num_tokens: int, num_seqs: int, graph: bool) -> AttentionMetadata:
         """The step's metadata over the staged buffers (padding included, as stage_padding wrote it)."""
@@ -423,20 +435,21 @@ class ModelRunner:
         t2 = time.perf_counter()
         self.last_timing = {"prepare_s": t1 - t0, "forward_s": t2 - t1, "sample_s": 0.0,
                             "graph": inputs.graph_size is not None}
+        rids = inputs.sample_request_ids
+        self._prev_rows = {rid: i for i, rid in enumerate(rids)}  # every rank: the next step may read them
         if self.sampler is None:
             return StepResult()
         # per sequence: did any of its tokens store a NaN/Inf vector
         seq_bad = torch.zeros(inputs.num_seqs, dtype=torch.int64, device=self.device)
         seq_bad.index_add_(0, self.buffers.token_seq.dev[:inputs.num_tokens],
                            inputs.meta.nonfinite[:inputs.num_tokens].long())
-        rids = inputs.sample_request_ids
         if rids:
             logits = logits[:, : self.vocab_size]  # [num_sampled, vocab] float32
             logits_bad = (~torch.isfinite(logits).all(dim=-1)).long()
             pending = self.sampler(logits, [self.requests[rid].params for rid in rids],
                                    [self.generators.get(rid) for rid in rids], extra=torch.cat((seq_bad, logits_bad)),
                                    defer=True)
-            self._prev_tokens, self._prev_rows = pending.token_ids, {rid: i for i, rid in enumerate(rids)}
+            self._prev_tokens = pending.token_ids
         else:
             pending = PendingSample.of_extra(seq_bad)
         prompt_logprobs = {}

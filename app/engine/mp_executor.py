@@ -5,7 +5,10 @@
 joins an NCCL (gloo on CPU) process group over a local rendezvous, loads only its shard and
 answers the driver over its own pipe. Each step the driver pickles the compact StepMessage once
 and writes the same bytes to every pipe; every rank runs the forward, rank 0 also samples and
-sends back the SamplerOutput, the others an empty acknowledgement.
+sends back the SamplerOutput, the others an empty acknowledgement. With async scheduling the
+driver sends "launch" instead: each rank launches the step, then answers the step before it (rank
+0's samples reach the other ranks by a broadcast, which they need as the next step's inputs), and
+"flush" asks for the answer of the last one.
 
 Failures never hang the engine: the driver waits on the pipes and on the processes' sentinels
 together, so a worker that exits (killed, crashed, out of memory) is seen at once; a step that
@@ -54,6 +57,11 @@ def _worker_main(rank: int, tp_size: int, config: EngineConfig, vocab_size: int,
         conn.send(("ok", {"rank": rank, "pid": os.getpid(), "device": str(runner.device),
                           "kv_blocks_fit": runner.num_kv_blocks_fit(max_model_len),
                           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+
+        def answer(out) -> None:
+            conn.send_bytes(pickle.dumps(("ok", (out, runner.last_timing) if rank == 0 else None)))
+
+        owed = None  # async scheduling: the launched step not answered yet
         while True:
             try:
                 data = conn.recv_bytes()
@@ -65,9 +73,17 @@ def _worker_main(rank: int, tp_size: int, config: EngineConfig, vocab_size: int,
             if command == "allocate_kv_cache":
                 runner.allocate_kv_cache(arg)
                 conn.send(("ok", None))
-            elif command == "execute":
-                out = runner.execute(arg)
-                conn.send_bytes(pickle.dumps(("ok", (out, runner.last_timing) if rank == 0 else None)))
+            elif command == "execute":  # run the step to the end and answer
+                answer(runner.execute(arg))
+            elif command == "launch":  # async scheduling: launch this step, then answer the one before
+                result = runner.launch(arg)
+                if owed is not None:
+                    answer(owed.result())
+                owed = result
+            elif command == "flush":  # answer the step launched last
+                if owed is not None:
+                    answer(owed.result())
+                    owed = None
             else:
                 raise ValueError(f"unknown command {command!r}")
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which stops every rank
@@ -88,6 +104,8 @@ def _worker_main(rank: int, tp_size: int, config: EngineConfig, vocab_size: int,
 class MultiprocExecutor(Executor):
     """tensor_parallel_size > 1 in worker processes of this node; see the module docstring."""
 
+    supports_async = True
+
     def __init__(self, config: EngineConfig, vocab_size: int, max_model_len: int) -> None:
         super().__init__()
         from app.engine.tp_worker import free_port_address
@@ -96,6 +114,7 @@ class MultiprocExecutor(Executor):
         self.execute_timeout_s = config.execute_timeout_s
         self._dead: EngineDeadError | None = None
         self._last_timing: dict = {}
+        self._num_launched = self._num_answered = 0  # async scheduling's steps
         # the last rank first, rank 0 (which also samples) last: 8.67 vs 8.92 ms per 8B decode step at
         # TP=2 (bench/tp_ab.py, bench/RESULTS.md)
         self._send_order = list(reversed(range(tp)))
@@ -141,6 +160,36 @@ class MultiprocExecutor(Executor):
         out, self._last_timing = self._gather("execute", self.execute_timeout_s)[0]
         return out
 
+    # Async scheduling: "launch" makes each rank launch the step and then answer the step launched
+    # before it, so a rank starts step N + 1 before it waits for step N's samples (under tensor
+    # parallelism the other ranks take those from rank 0 by a broadcast, ModelRunner._previous_samples);
+    # "flush" asks for the answer of the step launched last, when no next step comes.
+    def _launch(self, message: StepMessage) -> int | SamplerOutput | None:
+        if not self.pipelined:
+            return self._execute(message)
+        self._broadcast(("launch", message))
+        self._num_launched += 1
+        return self._num_launched
+
+    def _collect(self, handle):
+        if not self.pipelined:
+            return handle
+        assert handle == self._num_answered + 1, "steps are collected in the order they were launched"
+        if handle == self._num_launched:
+            self._broadcast(("flush", None))
+        out, self._last_timing = self._gather("execute", self.execute_timeout_s)[0]
+        self._num_answered += 1
+        return out
+
+    def abandon(self, step) -> None:
+        """Take the answers of the steps launched and not collected, which the ranks still owe."""
+        super().abandon(step)
+        try:
+            while self.pipelined and self._num_answered < self._num_launched:
+                self._collect(self._num_answered + 1)
+        except EngineDeadError:
+            pass  # the workers are stopped: nothing is owed any more
+
     @property
     def last_timing(self) -> dict:
         return self._last_timing
@@ -162,6 +211,8 @@ class MultiprocExecutor(Executor):
 
     def _gather(self, what: str, timeout_s: float | None) -> list:
         """Every rank's answer, in rank order; a death, an error or the deadline fails the engine."""
+        if self._dead is not None:
+            raise EngineDeadError(f"tensor-parallel workers are stopped: {self._dead}")
         answers: dict[int, object] = {}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         by_conn = {conn: rank for rank, conn in enumerate(self.conns)}
