@@ -303,7 +303,7 @@ def capacity_one(args, R: dict, kv: str) -> None:
         eng.shutdown()
     n_out = sum(len(o.token_ids) for o in outs)
     dec = [r for r in recs if r["decode_only"]]
-    dec_time = sum(r["total_s"] for r in dec)
+    dec_time = sum(t for r, t in zip(recs, step_seconds(recs)) if r["decode_only"])
     mets = [o.metrics for o in outs]  # every output here is final, so it carries its metrics
     ttft = [m.first_token_time - m.arrival_time for m in mets if m.first_token_time is not None]
     itl = [b - a for m in mets for a, b in zip(m.token_times, m.token_times[1:])]

@@ -103,7 +103,10 @@ def decode_rate(llm: LLM, prompts, output_len: int) -> dict:
     wall = time.perf_counter() - t0
     steps, eng.step_timings = eng.step_timings, None
     dec = [s for s in steps if s["decode_only"]]
-    dec_s = sum(s["total_s"] for s in dec)
+    # the time each step added: the gap between step ends (with async scheduling a step's own span
+    # overlaps the next one's)
+    gaps = [s["total_s"] if i == 0 else s["end"] - steps[i - 1]["end"] for i, s in enumerate(steps)]
+    dec_s = sum(g for s, g in zip(steps, gaps) if s["decode_only"])
     split = {f"{k[:-2]}_ms": round(1e3 * sum(s[k] for s in dec) / len(dec), 3)
              for k in ("prepare_s", "forward_s", "sample_s")}  # rank 0's, unsynced: sample_s waits for the device
     return {"decode_tok_s": round(sum(s["num_seqs"] for s in dec) / dec_s, 1), "decode_steps": len(dec),
@@ -116,31 +119,35 @@ def run_throughput(args, R: dict) -> None:
 
     n, length = (int(v) for v in args.shape.lower().split("x"))
     rng = random.Random(1)
-    runs = [(1, "mp")] + [(args.tp, b) for b in args.backends.split(",")]
+    modes = {"default": None, "on": True, "off": False}
+    runs = [(1, "mp", modes[m]) for m in args.async_scheduling.split(",")]
+    runs += [(args.tp, b, modes[m]) for b in args.backends.split(",") for m in args.async_scheduling.split(",")
+             if not (b == "ray" and m == "on")]
     for kv in args.kv_dtypes.split(","):
         rates = {}
-        for tp, backend in runs:
+        for tp, backend, mode in runs:
             try:
                 llm = LLM(model=args.model, device=args.device, kv_cache_dtype=kv, tensor_parallel_size=tp,
-                          distributed_executor_backend=backend, max_num_seqs=n,
+                          distributed_executor_backend=backend, max_num_seqs=n, async_scheduling=mode,
                           max_model_len=length + args.output_len + 1, max_num_batched_tokens=8192)
                 vocab = llm.engine.vocab_size
                 prompts = [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
-                key = (tp, backend if tp > 1 else "in-process")
+                key = (tp, backend if tp > 1 else "in-process", llm.engine.async_scheduling)
                 rates[key] = decode_rate(llm, prompts, args.output_len)
                 llm.engine.shutdown()
                 del llm
                 torch.cuda.empty_cache() if args.device.startswith("cuda") else None
                 emit(R, "throughput", {"model": args.model, "kv_cache_dtype": kv, "tp": tp, "executor": key[1],
-                                       "shape": args.shape, "output_len": args.output_len, **rates[key]})
+                                       "async_scheduling": key[2], "shape": args.shape,
+                                       "output_len": args.output_len, **rates[key]})
             except Exception as e:  # noqa: BLE001 - the row says what failed; the run goes on
                 traceback.print_exc()
                 emit(R, "throughput", {"kv_cache_dtype": kv, "tp": tp, "executor": backend, "error": repr(e)[:300]})
             save(args, R)
-        base = rates.get((1, "in-process"))
-        for (tp, executor), rate in rates.items():
+        for (tp, executor, asyn), rate in rates.items():
+            base = rates.get((1, "in-process", asyn))  # TP=1 with the same scheduling
             if tp > 1 and base:
-                emit(R, "throughput", {"kv_cache_dtype": kv, "executor": executor,
+                emit(R, "throughput", {"kv_cache_dtype": kv, "executor": executor, "async_scheduling": asyn,
                                        f"tp{tp}_over_tp1": round(rate["decode_tok_s"] / base["decode_tok_s"], 3)})
 
 
@@ -268,6 +275,9 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", default="bf16,fp4")
     ap.add_argument("--backends", default="mp", help="executors of the TP=N throughput runs: mp and/or ray "
                     "(ray needs Ray installed: not on the GPU machine)")
+    ap.add_argument("--async-scheduling", default="default",
+                    help="throughput: on, off or default (the engine's: on at TP=1 on CUDA, off with TP), or a "
+                         "list run side by side, e.g. off,on (the ray executor runs off only)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     sections = [s for s in args.sections.split(",") if s]
