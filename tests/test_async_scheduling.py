@@ -178,3 +178,53 @@ def test_llm_engine_accepts_the_setting(stories_paths):
     model, tok = stories_paths
     engine = LLMEngine(model=model, tokenizer=tok, async_scheduling=True)
     assert engine.async_scheduling
+
+
+def test_an_id_reused_while_its_old_step_is_in_flight_gets_nothing_of_it(stories_paths):
+    """Aborted with a step in flight, then the same id added again: that step's prompt log-probs and
+    failure flags belong to the old request (matched by sequence, not by id)."""
+    engine = stories_llm(stories_paths, async_scheduling=True).engine
+    engine.add_request("r0", STORY, SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=1))
+    assert engine.step() == []  # the old r0's prompt step is in flight
+    engine.abort_request("r0")
+    engine.add_request("r0", "Once upon a time", SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    (final,) = [o for o in outs if o.finished]
+    want = stories_llm(stories_paths).generate(["Once upon a time"], SamplingParams(
+        temperature=0, max_tokens=3, prompt_logprobs=1))[0]
+    assert len(final.prompt_logprobs) == len(final.prompt_token_ids) == len(want.prompt_token_ids)
+    assert final.token_ids == want.token_ids and final.prompt_logprobs == pytest.approx(want.prompt_logprobs)
+    assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_a_failed_launch_keeps_the_step_in_flight(stories_paths, monkeypatch):
+    """A launch that raises (here: the scheduler) does not throw away the step in flight, which ran:
+    its tokens come with the next call, so seeded requests go on as in the synchronous engine."""
+    workload = [(PROMPTS[i], SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True))
+                for i in range(4)]
+    want, _, _ = _run(stories_llm(stories_paths, async_scheduling=False).engine, workload)
+    engine = stories_llm(stories_paths, async_scheduling=True).engine
+    for i, (prompt, params) in enumerate(workload):
+        engine.add_request(f"r{i}", prompt, params)
+    schedule, calls = engine.scheduler.schedule, []
+
+    def fail_fifth():
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("injected failure")
+        return schedule()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", fail_fifth)
+    finals, raised = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except RuntimeError:
+            raised += 1
+            continue
+        finals.update({(o.request_id, o.index): o for o in outs if o.finished})
+    assert raised == 1
+    assert {k: o.token_ids for k, o in finals.items()} == {k: o.token_ids for k, o in want.items()}
+    assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks

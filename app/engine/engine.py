@@ -159,6 +159,7 @@ class LLMEngine:
         )
         self.async_scheduling = self.executor.pipelined = resolve_async_scheduling(config, self.executor)
         self._in_flight: _LaunchedStep | None = None  # async scheduling: the step launched, not yet collected
+        self._undelivered: list[RequestOutput] = []  # collected when a launch failed: the next step() returns them
         self._requests: dict[str, _RequestState] = {}  # by sequence id
         self._choices: dict[str, list[str]] = {}  # request id of an n > 1 request -> its sequence ids
         # step(), add_request() and abort_request() may be called from different threads (an
@@ -270,11 +271,15 @@ class LLMEngine:
         with self._lock:
             seq_ids = [sid for rid in request_ids for sid in self._choices.get(rid, (rid,))]
             finished = self.scheduler.finish_requests(seq_ids, SequenceStatus.FINISHED_ABORTED)
-            return [self._finish(s.request_id) for s in finished]
+            # outputs of theirs that a failed launch left for the next step() come first
+            ids = set(request_ids)
+            earlier = [o for o in self._undelivered if o.request_id in ids]
+            self._undelivered = [o for o in self._undelivered if o.request_id not in ids]
+            return earlier + [self._finish(s.request_id) for s in finished]
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or a step in flight whose outputs step() has still to return."""
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._undelivered)
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -293,14 +298,32 @@ class LLMEngine:
         with self._lock:
             try:
                 launched = self._launch()
+            except BaseException:
+                self._keep_in_flight_outputs()
+                raise
+            try:
                 if not self.async_scheduling:
                     previous = launched
                 else:
                     previous, self._in_flight = self._in_flight, launched
-                return self._collect(previous) if previous is not None else []
+                collected = self._collect(previous) if previous is not None else []
             except BaseException:
                 self._drop_in_flight()
                 raise
+            outputs, self._undelivered = self._undelivered + collected, []
+            return outputs
+
+    def _keep_in_flight_outputs(self) -> None:
+        """A launch failed: the step in flight ran, so collect it (its outputs come with the next
+        call) rather than make its requests recompute it (a seeded request's generator has moved on)."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is None:
+            return
+        try:
+            self._undelivered += self._collect(previous)
+        except BaseException:  # noqa: BLE001 - the launch's error is the one raised
+            logger.exception("collecting the step in flight after a failed launch failed too")
+            self._drop_in_flight()
 
     def _launch(self) -> _LaunchedStep | None:
         """Schedule a step and launch it (None: nothing to run)."""
@@ -330,10 +353,13 @@ class LLMEngine:
         sched = launched.sched
         sampled_seqs, out = self.executor.collect(launched.step)
         t2 = time.perf_counter()
-        failed = self._fail_requests(out.failed)
+        # by sequence, not by id: an id aborted while this step ran may name a new request by now
+        in_step = {seq.request_id: seq for seq, _ in sched.scheduled}
+        ours = {rid for rid, seq in in_step.items() if rid in self._requests and self._requests[rid].seq is seq}
+        failed = self._fail_requests({rid: why for rid, why in out.failed.items() if rid in ours})
         for rid, (start, lps, tops) in out.prompt_logprobs.items():
             state = self._requests.get(rid)
-            if state is None or rid in out.failed:
+            if rid not in ours or rid in out.failed:
                 continue
             # by position: a preempted request that recomputes its prompt writes the same slots
             state.prompt_logprobs[start + 1: start + 1 + len(lps)] = lps
@@ -366,7 +392,7 @@ class LLMEngine:
         outputs += [self._finish(rid) for rid in finished if rid not in sampled]  # max_tokens 0
         if self.step_timings is not None:
             t3 = time.perf_counter()
-            rt = self.executor.last_timing
+            rt = launched.step.timing
             t0, t1 = launched.t_schedule, launched.t_launch
             self.step_timings.append({
                 "start": t0, "schedule_s": t1 - t0, "prepare_s": rt.get("prepare_s", 0.0),
@@ -378,8 +404,7 @@ class LLMEngine:
 
     def _fail_requests(self, failed: dict[str, str]) -> list[RequestOutput]:
         """Finish the requests the step failed (status error) before their blocks are cached (the
-        scheduler then skips them: finished)."""
-        failed = {rid: why for rid, why in failed.items() if rid in self._requests}  # not aborted meanwhile
+        scheduler then skips them: finished); `failed` holds this step's live requests only."""
         if not failed:
             return []
         for rid, why in failed.items():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from app.config import EngineConfig
 from app.engine.model_runner import ModelRunner, ScheduledRequest, StepMessage, StepResult
@@ -33,6 +33,7 @@ class LaunchedStep:
     message: StepMessage
     sampling: list[Sequence]
     handle: object
+    timing: dict = field(default_factory=dict)  # rank 0's split of this step (Executor.last_timing)
 
 
 class StepMessageBuilder:
@@ -110,7 +111,7 @@ class Executor(ABC):
         except BaseException:
             self._messages.failed(message)
             raise
-        return LaunchedStep(message, sampling, handle)
+        return LaunchedStep(message, sampling, handle, dict(self.last_timing))
 
     def collect(self, step: LaunchedStep) -> tuple[list[Sequence], SamplerOutput]:
         """Wait for a launched step: the sequences that sampled a token and what they sampled."""

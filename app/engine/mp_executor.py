@@ -58,10 +58,10 @@ def _worker_main(rank: int, tp_size: int, config: EngineConfig, vocab_size: int,
                           "kv_blocks_fit": runner.num_kv_blocks_fit(max_model_len),
                           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
 
-        def answer(out) -> None:
-            conn.send_bytes(pickle.dumps(("ok", (out, runner.last_timing) if rank == 0 else None)))
+        def answer(out, timing: dict) -> None:
+            conn.send_bytes(pickle.dumps(("ok", (out, timing) if rank == 0 else None)))
 
-        owed = None  # async scheduling: the launched step not answered yet
+        owed = None  # async scheduling: the launched step not answered yet, and its timing
         while True:
             try:
                 data = conn.recv_bytes()
@@ -74,15 +74,15 @@ def _worker_main(rank: int, tp_size: int, config: EngineConfig, vocab_size: int,
                 runner.allocate_kv_cache(arg)
                 conn.send(("ok", None))
             elif command == "execute":  # run the step to the end and answer
-                answer(runner.execute(arg))
+                answer(runner.execute(arg), runner.last_timing)
             elif command == "launch":  # async scheduling: launch this step, then answer the one before
-                result = runner.launch(arg)
+                launched = (runner.launch(arg), dict(runner.last_timing))
                 if owed is not None:
-                    answer(owed.result())
-                owed = result
+                    answer(owed[0].result(), owed[1])
+                owed = launched
             elif command == "flush":  # answer the step launched last
                 if owed is not None:
-                    answer(owed.result())
+                    answer(owed[0].result(), owed[1])
                     owed = None
             else:
                 raise ValueError(f"unknown command {command!r}")
@@ -180,6 +180,12 @@ class MultiprocExecutor(Executor):
         out, self._last_timing = self._gather("execute", self.execute_timeout_s)[0]
         self._num_answered += 1
         return out
+
+    def collect(self, step):
+        result = super().collect(step)
+        if self.pipelined:  # its timing came with its answer
+            step.timing = dict(self._last_timing)
+        return result
 
     def abandon(self, step) -> None:
         """Take the answers of the steps launched and not collected, which the ranks still owe."""
