@@ -77,17 +77,17 @@ def run_equality(args, R: dict) -> None:
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = widened_dir(stories, Path(tmp))
-        for kv in ("bf16", "fp4"):
+        for kv in args.kv_dtypes.split(","):
             outs = {}
             for tp in (1, args.tp):
                 llm = LLM(model=str(model), tokenizer=str(stories / "tok512.bin"), device=args.device,
-                          dtype="bfloat16", kv_cache_dtype=kv, tensor_parallel_size=tp,
+                          dtype=args.dtype, kv_cache_dtype=kv, tensor_parallel_size=tp,
                           distributed_executor_backend="mp", kv_cache_memory=1 << 30, max_num_seqs=16)
                 outs[tp] = llm.generate(PROMPTS, params)
                 llm.engine.shutdown()
                 del llm
             same = [a.token_ids == b.token_ids for a, b in zip(outs[1], outs[args.tp])]
-            emit(R, "equality", {"kv_cache_dtype": kv, "tp": args.tp, "prompts_equal": sum(same),
+            emit(R, "equality", {"kv_cache_dtype": kv, "dtype": args.dtype, "tp": args.tp, "prompts_equal": sum(same),
                                  "prompts": len(same), "text_tp1": outs[1][0].text, "text_tpN": outs[args.tp][0].text})
             save(args, R)
 
@@ -272,7 +272,9 @@ def main() -> None:
     ap.add_argument("--stories", default=str(Path(__file__).resolve().parents[2] / "shared/models/stories260K"))
     ap.add_argument("--shape", default="64x2048", help="REQUESTSxPROMPT_LEN of the throughput section")
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--kv-dtypes", default="bf16,fp4")
+    ap.add_argument("--kv-dtypes", default="bf16,fp4", help="KV formats of the equality and throughput sections")
+    ap.add_argument("--dtype", default="bfloat16", help="compute dtype of the equality section (float32: TP sums "
+                    "partial products in another order, exact only without bf16 rounding between them)")
     ap.add_argument("--backends", default="mp", help="executors of the TP=N throughput runs: mp and/or ray "
                     "(ray needs Ray installed: not on the GPU machine)")
     ap.add_argument("--async-scheduling", default="default",
