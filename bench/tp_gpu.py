@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app import LLM, SamplingParams  # noqa: E402
 from app.engine.errors import EngineDeadError  # noqa: E402
+from bench.engine_gpu import step_seconds  # noqa: E402
 
 SECTIONS = ("equality", "throughput", "allreduce", "kill")
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bear",
@@ -103,10 +104,7 @@ def decode_rate(llm: LLM, prompts, output_len: int) -> dict:
     wall = time.perf_counter() - t0
     steps, eng.step_timings = eng.step_timings, None
     dec = [s for s in steps if s["decode_only"]]
-    # the time each step added: the gap between step ends (with async scheduling a step's own span
-    # overlaps the next one's)
-    gaps = [s["total_s"] if i == 0 else s["end"] - steps[i - 1]["end"] for i, s in enumerate(steps)]
-    dec_s = sum(g for s, g in zip(steps, gaps) if s["decode_only"])
+    dec_s = sum(g for s, g in zip(steps, step_seconds(steps)) if s["decode_only"])
     split = {f"{k[:-2]}_ms": round(1e3 * sum(s[k] for s in dec) / len(dec), 3)
              for k in ("prepare_s", "forward_s", "sample_s")}  # rank 0's, unsynced: sample_s waits for the device
     return {"decode_tok_s": round(sum(s["num_seqs"] for s in dec) / dec_s, 1), "decode_steps": len(dec),
