@@ -43,6 +43,17 @@ def test_ties_in_cached_blocks_go_by_session():
     assert set(firsts) == set(R) and min(firsts.values()) > 60
 
 
+def test_sessions_without_cache_spread_evenly_by_the_hash():
+    """Rendezvous hashing splits many sessions nearly evenly, and a fourth replica takes about a
+    quarter of them from each of the others (no other session moves)."""
+    before = Counter(choose(R, {}, {}, f"agent-{i}").ranking[0] for i in range(3000))
+    assert all(900 <= n <= 1100 for n in before.values()), before
+    moved = [i for i in range(3000)
+             if choose(R + ["d"], {}, {}, f"agent-{i}").ranking[0] != choose(R, {}, {}, f"agent-{i}").ranking[0]]
+    assert 600 <= len(moved) <= 900
+    assert all(choose(R + ["d"], {}, {}, f"agent-{i}").ranking[0] == "d" for i in moved)
+
+
 def test_no_session_no_cache_balances_by_load():
     rng = random.Random(0)
     loads = {"a": 0, "b": 1, "c": 1}

@@ -3,6 +3,8 @@
 
 import asyncio
 import copy
+from collections import Counter
+
 import httpx
 import pytest
 import ray
@@ -11,6 +13,7 @@ from ray import serve
 
 from app.engine.block_hash import hash_request_tokens
 from app.engine.tokenizer import ByteTokenizer
+from app.router.policy import rendezvous_score
 from tests.serve_testing import REPO_ROOT, local_serve, wait_until
 
 APP = "llm"
@@ -93,6 +96,13 @@ def test_session_turns_stay_on_one_replica_and_hit_the_cache(url):
 
 
 def test_many_sessions_spread_over_all_replicas(url):
+    """24 new sessions with nothing cached go by rendezvous hashing of the session id (the load
+    bound moves one only when its replica carries much more than the least loaded one). The
+    hash's split of 24 sessions over 3 replica ids is binomial-like (a 13/5/6 split happens in
+    about 8% of deployments), so the check is against the policy's own prediction for these
+    replica ids, not a fixed share: every replica serves sessions, nearly all sessions sit where
+    the hash puts them, and no replica ends up with more than the hash gives it plus the sessions
+    the load bound moved."""
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
             async def one(i):
@@ -107,9 +117,15 @@ def test_many_sessions_spread_over_all_replicas(url):
     for i in range(24):
         holders = _confirmed_holders(f"Session {i} starts here. " * 4)
         owners[i] = max(holders, key=holders.get)
-    counts = sorted({r: list(owners.values()).count(r) for r in set(owners.values())}.values())
-    assert len(counts) == 3, owners
-    assert counts[-1] <= 12, counts  # no replica takes half of all sessions
+    replicas = sorted(ray.get(_index().replica_stats.remote()))
+    assert len(replicas) == 3 and set(owners.values()) <= set(replicas), (replicas, owners)
+    predicted = {i: max(replicas, key=lambda r: rendezvous_score(f"spread-{i}", r)) for i in range(24)}
+    moved = sum(owners[i] != predicted[i] for i in range(24))
+    counts = Counter(owners.values())
+    where = f"owners {owners}, hash {predicted}"
+    assert len(counts) == 3, where
+    assert moved <= 8, where  # a random spread would move about 16
+    assert max(counts.values()) <= max(Counter(predicted.values()).values()) + moved, where
 
 
 def test_new_session_follows_a_shared_prefix_unless_its_replica_is_overloaded(url):
