@@ -1,10 +1,12 @@
 r"""The CPU path's attention and store kernels against the torch reference, one thread (as a Serve
 replica runs them: Ray sets OMP_NUM_THREADS=1 for its fraction of a CPU), best of --repeat.
 
-Shapes are the side-by-side benchmark's (bench/cpu_vs_vllm.py: 2 KV heads of 64, bf16 compute,
-blocks of 16, the brief's 3,247-token prompt):
+Shapes are the side-by-side benchmark's (bench/cpu_vs_vllm.py: 2 KV heads of 64, blocks of 16,
+the brief's 3,247-token prompt), in the compute dtype the engine picks on this CPU (--dtype auto:
+bf16 with AVX512-BF16, float32 without):
 
-- prefill: the extension's bf16 flash loop (cpu_kernels.prefill / prefix_attention) and torch's
+- prefill: what cpu_kernels.prefill / prefix_attention run (bf16: the extension's flash loop;
+  float32: torch's flash kernel, the causal call split in two) and torch's
   own CPU flash kernel (F.scaled_dot_product_attention), causal square chunks and the
   non-causal shared-prefix call of cascade decoding; GFLOP/s counts 4 x nq x nk x D x heads
   (halved when causal).
@@ -30,9 +32,11 @@ import torch.nn.functional as F
 
 from app.engine.attention import AttentionMetadata
 from app.engine.kv_cache import KVCacheSpec, create_kv_cache
+from app.engine.model_runner import resolve_dtype
 from app.kernels import cpu_kernels
 
 H, D, BS = 2, 64, 16  # KV heads = query heads (the peer model), head_dim, block size
+DTYPE = torch.bfloat16  # the compute dtype (main() sets it from --dtype)
 
 
 def best(fn, repeat: int) -> float:
@@ -49,8 +53,8 @@ def prefill_rows(repeat: int) -> list[tuple]:
     rows = []
     gen = torch.Generator().manual_seed(0)
     for nq, nk, causal in ((2048, 2048, True), (1024, 4096, False), (256, 3232, False)):
-        q = torch.randn(nq, H, D, generator=gen).bfloat16()
-        k, v = (torch.randn(nk, H, D, generator=gen).bfloat16() for _ in range(2))
+        q = torch.randn(nq, H, D, generator=gen).to(DTYPE)
+        k, v = (torch.randn(nk, H, D, generator=gen).to(DTYPE) for _ in range(2))
         qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         if causal:
             ours = best(lambda: cpu_kernels.prefill(q, k, v, D ** -0.5), repeat)
@@ -66,7 +70,7 @@ def prefill_rows(repeat: int) -> list[tuple]:
 def decode_cache(kv: str, num_seqs: int, ctx: int, shared: bool, gen):
     """A one-layer cache of `kv` holding num_seqs sequences of ctx tokens (all sharing the first
     ctx // BS blocks when `shared`), and one decode step's (meta, q)."""
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, compute_dtype=torch.bfloat16)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, compute_dtype=DTYPE)
     per_seq = -(-ctx // BS)
     prefix = ctx // BS if shared else 0  # shared full blocks
     num_blocks = prefix + num_seqs * (per_seq - prefix) + 1
@@ -80,7 +84,7 @@ def decode_cache(kv: str, num_seqs: int, ctx: int, shared: bool, gen):
               for i in range(num_seqs)]
     meta = AttentionMetadata(slot_mapping=torch.full((num_seqs,), -1), block_tables=torch.tensor(tables, dtype=torch.int32),
                              seq_lens=[ctx] * num_seqs, query_start_loc=list(range(num_seqs + 1)))
-    q = torch.randn(num_seqs, H, D, generator=gen).bfloat16()
+    q = torch.randn(num_seqs, H, D, generator=gen).to(DTYPE)
     return cache, meta, q
 
 
@@ -107,8 +111,8 @@ def decode_rows(num_seqs: int, ctx: int, ref_seqs: int, repeat: int) -> list[tup
 def store_rows(num_tokens: int, repeat: int) -> list[tuple]:
     rows = []
     gen = torch.Generator().manual_seed(2)
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, compute_dtype=torch.bfloat16)
-    k, v = (torch.randn(num_tokens, H, D, generator=gen).bfloat16() for _ in range(2))
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, compute_dtype=DTYPE)
+    k, v = (torch.randn(num_tokens, H, D, generator=gen).to(DTYPE) for _ in range(2))
     slots = torch.randperm(num_tokens, generator=gen)
     for kv in ("fp8", "fp4"):
         times = []
@@ -128,15 +132,19 @@ def main() -> None:
     ap.add_argument("--ref-seqs", type=int, default=16, help="decode: sequences of the (slow) torch reference")
     ap.add_argument("--store-tokens", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                    help="compute dtype (auto: the engine's choice on this CPU)")
     args = ap.parse_args()
+    global DTYPE
+    DTYPE = resolve_dtype(args.dtype, torch.device("cpu"))
     if not cpu_kernels.available():
         sys.exit(f"the CPU extension is unavailable: {cpu_kernels.problem()}")
     torch.set_num_threads(1)
     has_bf16 = cpu_kernels.load().has_prefill_bf16()
     print(f"`python bench/cpu_kernels.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}, "
           f"{platform.machine()}, AVX512-BF16 flash loop: {'yes' if has_bf16 else 'no (torch kernel instead)'}, "
-          f"torch {torch.__version__}, 1 thread\n")
-    print("| prefill attention (bf16, 2 heads of 64) | torch SDPA ms | ours ms | torch GFLOP/s | ours GFLOP/s | speedup |")
+          f"torch {torch.__version__}, 1 thread, {str(DTYPE).removeprefix('torch.')} compute\n")
+    print(f"| prefill attention ({str(DTYPE).removeprefix('torch.')}, 2 heads of 64) | torch SDPA ms | ours ms | torch GFLOP/s | ours GFLOP/s | speedup |")
     print("|---|---|---|---|---|---|")
     for name, t, o, tg, og in prefill_rows(args.repeat):
         print(f"| {name} | {t:.2f} | {o:.2f} | {tg:.0f} | {og:.0f} | {t / o:.2f}x |")

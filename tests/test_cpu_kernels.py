@@ -67,12 +67,14 @@ def test_cpu_extension_matches_the_torch_reference(name, head_dim, block_size, n
         computed = [c + n for c, n in zip(computed, new)]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kv", ["bf16", "fp8", "fp4"])
-def test_long_context_decode_and_shared_blocks(kv):
-    """Decodes of 1,000+ tokens where sequences share their first blocks (prefix-cache hits): with
-    AVX512-BF16 the sharing ones decode in cascade (the shared blocks once for the group, merged
-    with each one's own tokens by log-sum-exp), the others alone; both agree with the reference."""
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, compute_dtype=torch.bfloat16)
+def test_long_context_decode_and_shared_blocks(kv, dtype):
+    """Decodes of 1,000+ tokens where sequences share their first blocks (prefix-cache hits): the
+    sharing ones decode in cascade (the shared blocks once for the group, merged with each one's own
+    tokens by log-sum-exp; bf16 compute needs AVX512-BF16, float32 runs on any CPU), the others
+    alone; both agree with the reference."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, compute_dtype=dtype)
     ext, ref = (create_kv_cache(kv, spec, 200, "cpu") for _ in range(2))
     ref.use_cpu_kernels = False
     gen = torch.Generator().manual_seed(1)
@@ -89,15 +91,17 @@ def test_long_context_decode_and_shared_blocks(kv):
     meta = AttentionMetadata(slot_mapping=torch.full((4,), -1),
                              block_tables=torch.tensor([t + [0] * (82 - len(t)) for t in tables]),
                              seq_lens=seq_lens, query_start_loc=[0, 1, 2, 3, 4])
-    q = torch.randn(4, 8, 64, generator=gen).bfloat16()  # GQA 4
+    q = torch.randn(4, 8, 64, generator=gen).to(dtype)  # GQA 4
     got, want = ext.attention(0, q, meta, 0.125).float(), ref.attention(0, q, meta, 0.125).float()
-    if cpu_kernels.load().has_prefill_bf16():
+    if dtype == torch.float32 or cpu_kernels.load().has_prefill_bf16():
         assert ext._cascade_step[1] == [([0, 1, 3], 30)]  # the blocks all three share
-    for i in range(4):  # in cascade also P and (fp8) the gathered prefix round to bf16, as in prefill
-        assert rel_err(got[i], want[i]) < (3e-3 if i == 2 else 5e-3)
+    # in bf16 cascade also P and (fp8) the gathered prefix round to bf16, as in prefill
+    f32 = dtype == torch.float32
+    for i in range(4):
+        assert rel_err(got[i], want[i]) < (1e-5 if f32 else 3e-3 if i == 2 else 5e-3)
     ext.cascade_min_tokens = 0  # off: every sequence alone
     alone = ext.attention(0, q, meta, 0.125).float()
-    assert rel_err(alone, want) < 3e-3
+    assert rel_err(alone, want) < (1e-5 if f32 else 3e-3)
 
 
 def test_store_refuses_non_finite_and_writes_nothing():
@@ -162,6 +166,20 @@ def _causal_ref(q, k, v, scale, causal=True):
     if causal:
         s.masked_fill_(torch.arange(nk)[None, :] > torch.arange(nk - nq, nk)[:, None], float("-inf"))
     return (s.softmax(-1) @ vf).transpose(0, 1), s.logsumexp(-1).transpose(0, 1)
+
+
+@pytest.mark.parametrize("n,nk,heads,kv_heads,head_dim", [(1, 1, 2, 2, 64), (250, 3200, 2, 2, 64), (7, 300, 9, 3, 64)])
+def test_prefix_attention_float32_matches_the_reference(n, nk, heads, kv_heads, head_dim):
+    """Cascade decoding's shared-prefix half in float32 compute (torch's flash kernel): the output
+    and the log-sum-exp that merge_attention weighs it by."""
+    gen = torch.Generator().manual_seed(n + nk)
+    q, k, v = (torch.randn(m, h, head_dim, generator=gen) for m, h in ((n, heads), (nk, kv_heads), (nk, kv_heads)))
+    k[: nk // 3] *= 4
+    out, lse = cpu_kernels.prefix_attention(q, k, v, head_dim ** -0.5)
+    ref, ref_lse = _causal_ref(q, k, v, head_dim ** -0.5, causal=False)
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:2]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.load().has_prefill_bf16(),

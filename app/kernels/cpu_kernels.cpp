@@ -24,6 +24,9 @@
 #if defined(__AVX512BF16__)
 #define APP_AVX512_BF16 1  // bf16 pair dot products (vdpbf16ps): the bf16 decode and prefill loops
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define APP_AVX2 1  // CPUs without AVX-512 (e.g. Zen 1-3): 8-wide versions of the fp4 store's loops
 #endif
 
 #include <algorithm>
@@ -721,6 +724,35 @@ inline float group_codes(const float* x, int n, float safe, uint8_t* code) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(code + i), _mm512_cvtepi32_epi8(c));
   }
   err = _mm512_reduce_add_ps(acc);
+#elif defined(APP_AVX2)
+  const __m256 s = _mm256_set1_ps(safe);
+  const __m256 grid = _mm256_loadu_ps(kE2M1);
+  const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+  const __m256i eight = _mm256_set1_epi32(8);
+  const __m256 bounds_gt[4] = {_mm256_set1_ps(0.25f), _mm256_set1_ps(1.25f), _mm256_set1_ps(2.5f), _mm256_set1_ps(5.0f)};
+  const __m256 bounds_ge[3] = {_mm256_set1_ps(0.75f), _mm256_set1_ps(1.75f), _mm256_set1_ps(3.5f)};
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    const __m256 v = _mm256_div_ps(xv, s);
+    const __m256 a = _mm256_andnot_ps(sign, v);
+    __m256i c = _mm256_setzero_si256();  // a true comparison is all ones (-1): subtract it
+    for (const __m256& t : bounds_gt) c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(a, t, _CMP_GT_OQ)));
+    for (const __m256& t : bounds_ge) c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(a, t, _CMP_GE_OQ)));
+    const __m256 neg = _mm256_cmp_ps(v, zero, _CMP_LT_OQ);
+    const __m256 q = _mm256_xor_ps(_mm256_permutevar8x32_ps(grid, c), _mm256_and_ps(neg, sign));
+    const __m256 diff = _mm256_sub_ps(_mm256_mul_ps(q, s), xv);
+    acc = _mm256_fmadd_ps(diff, diff, acc);
+    const __m256i signed_ = _mm256_and_si256(_mm256_castps_si256(neg), _mm256_cmpgt_epi32(c, _mm256_setzero_si256()));
+    c = _mm256_or_si256(c, _mm256_and_si256(signed_, eight));
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c, c), _mm256_setzero_si256());  // bytes 0-3 per lane
+    const uint32_t lo = uint32_t(_mm256_cvtsi256_si32(b)), hi = uint32_t(_mm256_extract_epi32(b, 4));
+    std::memcpy(code + i, &lo, 4);
+    std::memcpy(code + i + 4, &hi, 4);
+  }
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  err = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 #endif
   for (; i < n; ++i) {
     const float v = x[i] / safe;
@@ -821,6 +853,16 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
       __m512 mv = _mm512_setzero_ps();
       for (; i < group; i += 16) mv = _mm512_max_ps(mv, _mm512_abs_ps(_mm512_loadu_ps(x + g * group + i)));
       m = _mm512_reduce_max_ps(mv);
+    }
+#endif
+#ifdef APP_AVX2
+    if (group % 8 == 0) {  // a maximum is exact in any order
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      __m256 mv = _mm256_setzero_ps();
+      for (; i < group; i += 8) mv = _mm256_max_ps(mv, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + g * group + i)));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
     }
 #endif
     for (; i < group; ++i) m = std::max(m, std::fabs(x[g * group + i]));

@@ -193,15 +193,26 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
 
 
 def has_prefix_attention(query: torch.Tensor) -> bool:
-    """Whether prefix_attention runs for this query (bf16, head_dim a multiple of 64 up to 256, a CPU
-    with AVX512-BF16)."""
+    """Whether prefix_attention runs for this query: bf16 with head_dim a multiple of 64 up to 256 on
+    a CPU with AVX512-BF16 (the extension's loop), or float32 (torch's flash kernel; the compute
+    dtype on CPUs without native bf16)."""
     d = query.shape[-1]
+    if query.dtype == torch.float32:
+        return True
     return query.dtype == torch.bfloat16 and d % 64 == 0 and d <= 256 and load().has_prefill_bf16()
 
 
 def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float):
-    """Every row of query [n, H, D] (bf16) attends to all of key/value [nk, KVH, D] (bf16), no mask:
-    -> (out [n, H, D] float32, lse [n, H] float32). The shared-prefix half of cascade decoding."""
+    """Every row of query [n, H, D] attends to all of key/value [nk, KVH, D] (the query's dtype), no
+    mask: -> (out [n, H, D] float32, lse [n, H] float32). The shared-prefix half of cascade decoding.
+    bf16: the extension's loop; float32: torch's flash kernel, which returns the log-sum-exp too."""
+    if query.dtype == torch.float32:
+        group = query.shape[1] // key.shape[1]
+        q = query.transpose(0, 1).unsqueeze(0)
+        k, v = (x.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0) if group > 1
+                else x.transpose(0, 1).unsqueeze(0) for x in (key, value))
+        out, lse = _flash(q, k, v, 0.0, False, scale=scale)
+        return out[0].transpose(0, 1), lse[0].transpose(0, 1)
     out = torch.empty(query.shape, dtype=torch.float32)
     lse = torch.empty(query.shape[:2], dtype=torch.float32)
     load().prefill_bf16(out, query.contiguous(), key.contiguous(), value.contiguous(), scale, False, lse)
