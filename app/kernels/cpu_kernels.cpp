@@ -202,6 +202,21 @@ struct FP8Reader : InOrderRows {
 #endif
 };
 
+#ifdef APP_AVX2
+// 4 code bytes -> their 8 E2M1 values in order (element 2i: the low nibble of byte i), unscaled.
+inline __m256 e2m1x8(const uint8_t* c) {
+  uint32_t w;
+  std::memcpy(&w, c, 4);
+  const __m128i twice = _mm_shuffle_epi8(_mm_cvtsi32_si128(int(w)),
+                                         _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1));
+  // lane j: code j in its low 4 bits (bits above are ignored by the permute and the sign's mask)
+  const __m256i v = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(twice), _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+  const __m256 mag = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kE2M1), v);  // by the low 3 bits
+  const __m256 sign = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 28), _mm256_set1_epi32(INT32_MIN)));
+  return _mm256_xor_ps(mag, sign);
+}
+#endif
+
 struct FP4Reader {
   const uint8_t* codes;      // [slots, H, D/2]
   const uint8_t* scales;     // [slots, H, D/G] e4m3
@@ -221,6 +236,18 @@ struct FP4Reader {
     const uint8_t* c = codes + r * (D / 2);
     const uint8_t* s = scales + r * (D / group);
     const float second = pow2(int(scale_exp[r]) - 127);
+#ifdef APP_AVX2
+    if (group % 8 == 0) {  // 8 values per step, the same products as below
+      for (int g = 0; g < D / group; ++g) {
+        const __m256 sg = _mm256_set1_ps(t.e4m3[s[g]] * second);
+        for (int i = 0; i < group; i += 8)
+          _mm256_storeu_ps(dst + g * group + i, _mm256_mul_ps(e2m1x8(c + (g * group + i) / 2), sg));
+      }
+      for (int k = 0; k < outliers; ++k)
+        dst[out_idx[r * outliers + k]] += bf16_to_float(out_vals[r * outliers + k]);
+      return;
+    }
+#endif
     for (int g = 0; g < D / group; ++g) {
       const float sg = t.e4m3[s[g]] * second;
       for (int i = 0; i < group / 2; ++i) {
