@@ -100,8 +100,12 @@ def test_greedy_outputs_equal_vllm_serve(url, args, peer, tmp_path):
     ours_chat = [chat(url, p) for p in PROMPTS]
     # the KV cache our replica has (VLLM_CPU_KVCACHE_SPACE, whole GiB); without it vLLM's CPU build sizes
     # it from --gpu-memory-utilization of the machine's memory and refuses to start when less is free
+    # and its KV format: bf16 pages (engine_overrides), which vLLM's "auto" gives only where the
+    # compute dtype is bf16 (with float32 compute, on CPUs without bf16, "auto" keeps float32 pages
+    # and greedy tokens of the random-weight model part where bf16 rounding tips a near tie)
     with vllm_server(sys.executable, str(peer), model_id, tmp_path,
-                     ["--block-size", "32", "--max-model-len", "8192", "--dtype", router_dtype()],
+                     ["--block-size", "32", "--max-model-len", "8192", "--dtype", router_dtype(),
+                      "--kv-cache-dtype", "bfloat16"],
                      env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as base:
         theirs = [complete(base, p) for p in PROMPTS]
         theirs_chat = [chat(base, p) for p in PROMPTS]
