@@ -139,6 +139,15 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 PAD = 64  # prefill attention lengths in bf16/fp16 are multiples of this (see prefill)
 
 
+def _heads_first(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[n, KVH, D] -> [1, KVH * group, n, D] for torch's flash kernel (each KV head repeated for its
+    `group` query heads)."""
+    x = x.transpose(0, 1)
+    if group > 1:
+        x = x.repeat_interleave(group, dim=0)
+    return x.unsqueeze(0)
+
+
 def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """query [nq, H, D] at the last nq of key/value's [nk, KVH, D] positions, causal; -> [nq, H, D].
 
@@ -161,12 +170,6 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
     group = heads // kv_heads
     pad = PAD if query.dtype != torch.float32 else 1
 
-    def heads_first(x):  # [n, KVH, D] -> [1, H, n, D]
-        x = x.transpose(0, 1)
-        if group > 1:
-            x = x.repeat_interleave(group, dim=0)
-        return x.unsqueeze(0)
-
     def padded(x, front, total):  # [1, H, n, D] -> [1, H, total, D], zeros around
         if front == 0 and x.shape[2] == total:
             return x
@@ -174,7 +177,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
         out[:, :, front:front + x.shape[2]] = x
         return out
 
-    q, k, v = query.transpose(0, 1).unsqueeze(0), heads_first(key), heads_first(value)
+    q, k, v = _heads_first(query, 1), _heads_first(key, group), _heads_first(value, group)
     cut = (nk - nq) // pad * pad  # earlier keys attended in full
     extra = nk - nq - cut  # earlier keys after the cut: they join the causal call
     n_own = -(-(extra + nq) // pad) * pad
@@ -196,9 +199,9 @@ def has_prefix_attention(query: torch.Tensor) -> bool:
     """Whether prefix_attention runs for this query: bf16 with head_dim a multiple of 64 up to 256 on
     a CPU with AVX512-BF16 (the extension's loop), or float32 (torch's flash kernel; the compute
     dtype on CPUs without native bf16)."""
-    d = query.shape[-1]
     if query.dtype == torch.float32:
         return True
+    d = query.shape[-1]
     return query.dtype == torch.bfloat16 and d % 64 == 0 and d <= 256 and load().has_prefill_bf16()
 
 
@@ -208,10 +211,8 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     bf16: the extension's loop; float32: torch's flash kernel, which returns the log-sum-exp too."""
     if query.dtype == torch.float32:
         group = query.shape[1] // key.shape[1]
-        q = query.transpose(0, 1).unsqueeze(0)
-        k, v = (x.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0) if group > 1
-                else x.transpose(0, 1).unsqueeze(0) for x in (key, value))
-        out, lse = _flash(q, k, v, 0.0, False, scale=scale)
+        out, lse = _flash(_heads_first(query, 1), _heads_first(key, group), _heads_first(value, group), 0.0, False,
+                          scale=scale)
         return out[0].transpose(0, 1), lse[0].transpose(0, 1)
     out = torch.empty(query.shape, dtype=torch.float32)
     lse = torch.empty(query.shape[:2], dtype=torch.float32)
