@@ -7,6 +7,8 @@ attention over the same pages agrees to the rounding of the compute dtype (the e
 reads exact page values in float32; its prefill attends in the compute dtype, as the GPU does).
 """
 
+import math
+
 import pytest
 import torch
 
@@ -34,7 +36,8 @@ CASES = {
     (64, 16, 8, torch.bfloat16),  # GQA 4, the default block size
     (128, 4, 2, torch.bfloat16),  # MHA, small blocks: a tile spans several blocks
     (8, 16, 8, torch.float32),  # stories260K's shape (head_dim 8, float32 compute)
-], ids=["d64-bs16-gqa4", "d128-bs4-mha", "d8-fp32"])
+    (12, 16, 4, torch.float32),  # head_dim not a multiple of 8: the decode's plain C++ loop on any CPU
+], ids=["d64-bs16-gqa4", "d128-bs4-mha", "d8-fp32", "d12-fp32"])
 def test_cpu_extension_matches_the_torch_reference(name, head_dim, block_size, num_heads, dtype):
     kv, formats = CASES[name]
     if formats[0] is not None and formats[0].rotate and head_dim & (head_dim - 1):
@@ -115,6 +118,47 @@ def test_store_refuses_non_finite_and_writes_nothing():
         with pytest.raises(ValueError, match="non-finite"):
             cache.store(0, k, v, torch.arange(3))
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, cache.pages[0]))
+
+
+def _boundary_groups(n, targets, gen):
+    """n groups of 32 float32 values: the group's largest |value| A first, the others within two
+    ulps of an E2M1 rounding boundary b (0.25, 0.75, ... 5) times one of the store's candidate
+    scales for A (the e4m3 scale A / target, in units of the vector's power-of-two second scale)."""
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    groups = []
+    for _ in range(n):
+        amax = float(torch.empty(()).uniform_(0.5, 2.0, generator=gen)) * 2.0 ** int(torch.randint(-6, 7, (), generator=gen))
+        second = 2.0 ** math.ceil(math.log2(amax / min(targets) / 448))  # one group per vector: its amax is the top
+        scales = [float(torch.tensor(amax / second / t).to(torch.float8_e4m3fn).float()) * second for t in targets]
+        s = torch.tensor(scales)[torch.randint(len(scales), (31,), generator=gen)]
+        x = bounds[torch.randint(7, (31,), generator=gen)] * s  # exact: few significant bits
+        for _ in range(2):  # up to two ulps either way
+            step = torch.randint(-1, 2, (31,), generator=gen)
+            x = torch.where(step > 0, torch.nextafter(x, torch.tensor(math.inf)),
+                            torch.where(step < 0, torch.nextafter(x, torch.tensor(0.0)), x))
+        x = torch.where(x < amax, x, torch.full_like(x, amax / 3))
+        x = x * torch.where(torch.rand(31, generator=gen) < 0.5, -1.0, 1.0)
+        groups.append(torch.cat([torch.tensor([amax]), x]))
+    return torch.stack(groups)
+
+
+def test_fp4_store_codes_at_rounding_boundaries_equal_the_reference():
+    """Values whose quotient by a candidate scale lies within ulps of an E2M1 rounding boundary get
+    the torch reference's codes and scales, bit for bit (the AVX2 store compares |x| with exact
+    per-scale thresholds instead of dividing; a threshold one ulp off would show here)."""
+    targets = (6.0, 5.0, 4.5, 4.0)
+    fmt = FP4Format(group_size=32, outliers=0, scale_targets=targets)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=32, block_size=16, compute_dtype=torch.float32)
+    ext, ref = (create_kv_cache("fp4", spec, 32, "cpu", (fmt, fmt)) for _ in range(2))
+    ref.use_cpu_kernels = False
+    gen = torch.Generator().manual_seed(0)
+    k = _boundary_groups(512, targets, gen).view(512, 1, 32)
+    v = -k.flip(0)
+    for cache in (ext, ref):
+        cache.store(0, k, v, torch.arange(512))
+    for got, want in zip(ext.layer_pages(0), ref.layer_pages(0)):
+        for g, w in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want))):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), "stored pages differ"
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8", "fp4"])
@@ -220,3 +264,15 @@ def test_prefill_bf16_refuses_bad_shapes():
         cpu_kernels.load().prefill_bf16(torch.empty_like(q), q.float(), kv, kv, 1.0, True, torch.empty(0))
     with pytest.raises(RuntimeError, match="lse"):
         cpu_kernels.load().prefill_bf16(torch.empty_like(q), q, kv, kv, 1.0, False, torch.empty(3))
+
+
+def test_silu_and_mul_vector_loop_equals_its_scalar_loop():
+    """float32 rows go 8 at a time through fast_exp8 where the CPU has AVX2 (the rest, and rows
+    shorter than 8, through the scalar loop): the same operations, so the same bits."""
+    gen = torch.Generator().manual_seed(0)
+    g, u = torch.randn(2, 4099, generator=gen) * 6
+    g[:8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30, 87.0, -90.0])
+    rows = cpu_kernels.silu_and_mul(torch.cat([g, u])[None])[0]  # one long row
+    single = cpu_kernels.silu_and_mul(torch.stack([g, u], 1))[:, 0]  # 4099 rows of one element
+    assert torch.equal(rows, single)
+    assert rel_err(rows, torch.nn.functional.silu(g) * u) < 1e-6

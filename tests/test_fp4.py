@@ -264,3 +264,24 @@ def test_bad_kv_settings_fail_before_anything_loads(kwargs, match):
 
     with pytest.raises(ValidationError, match=match):
         EngineConfig(**kwargs)
+
+
+def test_e2m1_boundaries_on_the_quotient_are_boundaries_on_the_product():
+    """For every e4m3 scale the store can pick (normal, >= 2^-6) and every E2M1 rounding boundary b,
+    fl(x / s) > b exactly when x > b s (and >= alike), b s being exact: the CPU store's AVX2 loop
+    codes |x| by comparing it with b s instead of dividing (app/kernels/cpu_kernels.cpp,
+    group_codes). Checked on the float32 neighbours of b s, where the two could part."""
+    scales = torch.arange(0x08, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 2^-6 .. 448
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    ge = torch.tensor([False, True, False, True, False, True, False])
+    s, b = scales[:, None, None], bounds[None, :, None]
+    edge = (b * s).expand(-1, -1, 9).contiguous()  # exact products
+    assert torch.equal(edge[..., :1].double(), b.double() * s.double())
+    x = edge.clone()
+    for k in range(4):  # 4 ulps below and above
+        x[..., 3 - k] = torch.nextafter(x[..., 4 - k], torch.tensor(0.0))
+        x[..., 5 + k] = torch.nextafter(x[..., 4 + k], torch.tensor(math.inf))
+    q = x / s
+    on_quotient = torch.where(ge[None, :, None], q >= b, q > b)
+    on_product = torch.where(ge[None, :, None], x >= edge, x > edge)
+    assert torch.equal(on_quotient, on_product)

@@ -101,6 +101,26 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// fast_exp for 8 floats, the same operations (the polynomial's steps as FMAs, as the compiler
+// contracts the scalar ones).
+inline __m256 fast_exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
 #ifdef APP_AVX512
 // 16 e4m3 bytes -> floats, each the e4m3 value x 2^-8: the bits moved into fp16 (sign, then the
 // exponent and mantissa fields one place lower: the bias differs by 8), subnormals included.
@@ -152,7 +172,13 @@ struct DenseReader : InOrderRows {
     const int64_t at = (slot * heads + h) * row;
     if (dtype == at::kBFloat16) {
       const uint16_t* p = static_cast<const uint16_t*>(base) + at;
-      for (int d = 0; d < D; ++d) dst[d] = bf16_to_float(p[d]);
+      int d = 0;
+#ifdef APP_AVX2
+      for (; d + 8 <= D; d += 8)
+        _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + d))), 16)));
+#endif
+      for (; d < D; ++d) dst[d] = bf16_to_float(p[d]);
     } else if (dtype == at::kHalf) {
       const at::Half* p = static_cast<const at::Half*>(base) + at;
       for (int d = 0; d < D; ++d) dst[d] = float(p[d]);
@@ -509,6 +535,69 @@ void decode_one_vec(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor&
 }
 #endif
 
+#ifdef APP_AVX2
+inline float hsum8(__m256 a) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+// decode_one with 8-wide rows (CPUs with AVX2 and no AVX-512): each token's K row is loaded once
+// (the readers' load, dequantized) and its score for each query head is D/8 FMAs and a horizontal
+// add, without decode_one's transposed copy of the tile; P x V runs on accumulators held in
+// registers, 4 vectors at a time. Needs D % 8 == 0.
+template <typename KR, typename VR>
+void decode_one_avx2(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out, const BlockTable& tables,
+                     int64_t seq, int64_t row, int64_t seq_len, int64_t kv_head, int G, int D, int block_size,
+                     float scale, std::vector<float>& buf, float* lse) {
+  const int nv = D / 8;
+  float* qv = buf.data();     // [G, D]
+  float* acc = qv + G * D;    // [G, D]
+  float* vt = acc + G * D;    // [TILE, D]
+  float* s = vt + TILE * D;   // [G, TILE]
+  float* m = s + G * TILE;    // [G]
+  float* l = m + G;           // [G]
+  float* krow = l + G;        // [D]
+  load_query(q, row, kv_head * G, G, D, scale, qv);
+  std::fill(acc, acc + G * D, 0.0f);
+  std::fill(m, m + G, -1e30f);
+  std::fill(l, l + G, 0.0f);
+  for (int64_t t0 = 0; t0 < seq_len; t0 += TILE) {
+    const int n = int(std::min<int64_t>(TILE, seq_len - t0));
+    for (int t = 0; t < n; ++t) {
+      const int64_t pos = t0 + t;
+      const int64_t slot = tables(seq, pos / block_size) * block_size + pos % block_size;
+      kr.load(slot, kv_head, krow, D);
+      for (int g = 0; g < G; ++g) {
+        const float* qg = qv + g * D;
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(krow), _mm256_loadu_ps(qg));
+        for (int v = 1; v < nv; ++v) a = _mm256_fmadd_ps(_mm256_loadu_ps(krow + 8 * v), _mm256_loadu_ps(qg + 8 * v), a);
+        s[g * TILE + t] = hsum8(a);
+      }
+      vr.load(slot, kv_head, vt + t * D, D);
+    }
+    for (int g = 0; g < G; ++g) {
+      float* sg = s + g * TILE;
+      const float corr = softmax_tile(sg, n, m[g], l[g]);
+      float* ag = acc + g * D;
+      for (int v0 = 0; v0 < nv; v0 += 4) {
+        const int k = std::min(4, nv - v0);
+        const __m256 c = _mm256_set1_ps(corr);
+        __m256 o[4];
+        for (int j = 0; j < 4; ++j) o[j] = j < k ? _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * (v0 + j)), c) : _mm256_setzero_ps();
+        for (int t = 0; t < n; ++t) {
+          const __m256 pt = _mm256_set1_ps(sg[t]);
+          for (int j = 0; j < 4; ++j)
+            if (j < k) o[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + t * D + 8 * (v0 + j)), o[j]);
+        }
+        for (int j = 0; j < k; ++j) _mm256_storeu_ps(ag + 8 * (v0 + j), o[j]);
+      }
+    }
+  }
+  store_out(out, row, kv_head * G, G, D, acc, l, m, lse);
+}
+#endif
+
 #ifdef APP_AVX512_BF16
 // 2^x for 16 floats, x <= 0 (x <= -150 gives exactly 0): 2^round(x) by scalef times a degree-6
 // polynomial on [-0.5, 0.5] (rel. err ~2e-7), as fast_exp.
@@ -641,6 +730,12 @@ void decode_all(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out
         continue;
       }
 #endif
+#ifdef APP_AVX2
+      if (D % 8 == 0) {
+        decode_one_avx2(kr, vr, q, out, tables, seq, row[seq], lens[seq], h, G, D, block_size, float(scale), buf, lse);
+        continue;
+      }
+#endif
       decode_one(kr, vr, q, out, tables, seq, row[seq], lens[seq], h, G, D, block_size, float(scale), buf, lse);
     }
   });
@@ -752,21 +847,25 @@ inline float group_codes(const float* x, int n, float safe, uint8_t* code) {
   }
   err = _mm512_reduce_add_ps(acc);
 #elif defined(APP_AVX2)
+  // No division: |x| is compared with each boundary times the scale. b safe is exact (b has at most
+  // 3 significant bits, safe, an e4m3 value, 4), and for every e4m3 scale and boundary
+  // fl(|x| / safe) > b  <=>  |x| > b safe (and >= alike): checked for all of them in
+  // tests/test_fp4.py. (A quotient that underflows to -0 has x's sign flipped, but code 0 either way.)
   const __m256 s = _mm256_set1_ps(safe);
   const __m256 grid = _mm256_loadu_ps(kE2M1);
   const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
   const __m256i eight = _mm256_set1_epi32(8);
-  const __m256 bounds_gt[4] = {_mm256_set1_ps(0.25f), _mm256_set1_ps(1.25f), _mm256_set1_ps(2.5f), _mm256_set1_ps(5.0f)};
-  const __m256 bounds_ge[3] = {_mm256_set1_ps(0.75f), _mm256_set1_ps(1.75f), _mm256_set1_ps(3.5f)};
+  const __m256 bounds_gt[4] = {_mm256_set1_ps(0.25f * safe), _mm256_set1_ps(1.25f * safe), _mm256_set1_ps(2.5f * safe),
+                               _mm256_set1_ps(5.0f * safe)};
+  const __m256 bounds_ge[3] = {_mm256_set1_ps(0.75f * safe), _mm256_set1_ps(1.75f * safe), _mm256_set1_ps(3.5f * safe)};
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
     const __m256 xv = _mm256_loadu_ps(x + i);
-    const __m256 v = _mm256_div_ps(xv, s);
-    const __m256 a = _mm256_andnot_ps(sign, v);
+    const __m256 a = _mm256_andnot_ps(sign, xv);
     __m256i c = _mm256_setzero_si256();  // a true comparison is all ones (-1): subtract it
     for (const __m256& t : bounds_gt) c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(a, t, _CMP_GT_OQ)));
     for (const __m256& t : bounds_ge) c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(a, t, _CMP_GE_OQ)));
-    const __m256 neg = _mm256_cmp_ps(v, zero, _CMP_LT_OQ);
+    const __m256 neg = _mm256_cmp_ps(xv, zero, _CMP_LT_OQ);
     const __m256 q = _mm256_xor_ps(_mm256_permutevar8x32_ps(grid, c), _mm256_and_ps(neg, sign));
     const __m256 diff = _mm256_sub_ps(_mm256_mul_ps(q, s), xv);
     acc = _mm256_fmadd_ps(diff, diff, acc);
@@ -1072,8 +1171,20 @@ inline float rounded(float v) {
 
 template <typename T>
 void silu_mul_row(const T* g, const T* u, T* out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {  // 8 at a time, the scalar loop's operations (the compiler
+    // does not vectorize that one: its branches hold a division)
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 gi = _mm256_loadu_ps(g + i);
+      const __m256 e = fast_exp8(_mm256_or_ps(gi, sign));  // exp(-|g|)
+      const __m256 num = _mm256_blendv_ps(_mm256_mul_ps(gi, e), gi, _mm256_cmp_ps(gi, zero, _CMP_GE_OQ));
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
     const float gi = ld(g[i]);
     const float e = fast_exp(-std::fabs(gi));  // exp(-|g|) <= 1: no overflow either way
     const float silu = gi >= 0 ? gi / (1.0f + e) : gi * e / (1.0f + e);
