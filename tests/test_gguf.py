@@ -230,6 +230,13 @@ def smollm2():
     return path, GGUFFile(path)
 
 
+@pytest.fixture(scope="module")
+def smollm2_hf(smollm2):
+    """transformers' model of the same file, loaded once for the module (its GGUF reader takes ~20 s
+    on the 2-core CI machine)."""
+    return _hf_model(smollm2[0])
+
+
 @needs_smollm2
 def test_smollm2_config(smollm2):
     _, f = smollm2
@@ -255,9 +262,9 @@ def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2):
 
 
 @needs_smollm2
-def test_smollm2_logits_match_transformers_prefill_and_decode(smollm2):
+def test_smollm2_logits_match_transformers_prefill_and_decode(smollm2, smollm2_hf):
     path, f = smollm2
-    hf = _hf_model(path)
+    hf = smollm2_hf
     tok = f.tokenizer()
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
     out, seq = _our_logits(path, prompt, decode_steps=4)
@@ -269,7 +276,7 @@ def test_smollm2_logits_match_transformers_prefill_and_decode(smollm2):
 
 @needs_smollm2
 @pytest.mark.parametrize("kv", ["fp32", "fp4"])
-def test_smollm2_greedy_answer_equals_transformers(smollm2, kv):
+def test_smollm2_greedy_answer_equals_transformers(smollm2, smollm2_hf, kv):
     """The engine (offline API, the KV format as given) answers the question with the text
     transformers' greedy generate gives on the same file."""
     from app.engine.sampling_params import SamplingParams
@@ -279,7 +286,7 @@ def test_smollm2_greedy_answer_equals_transformers(smollm2, kv):
     llm = LLM(model=SMOLLM2, kv_cache_dtype=kv, num_kv_blocks=64)
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
     ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0]
-    hf = _hf_model(path)
+    hf = smollm2_hf
     ids = torch.tensor([llm.tokenizer.encode(prompt)])
     with torch.no_grad():
         out = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=2, pad_token_id=2)

@@ -80,6 +80,9 @@ def test_tp8_replicas_take_whole_nodes_and_a_third_stays_pending(gpu_nodes, capl
             remove_placement_group(pg)
 
 
+# 70 s on the 2-core CI machine: the slow tier. The default suite runs the Ray executor's TP=2
+# workers in a caller's placement group (tests/test_tensor_parallel.py) and on fake-GPU nodes above.
+@pytest.mark.slow
 def test_tp2_engine_on_fake_gpus_computes_on_cpu(gpu_nodes):
     """The Ray Serve layout in miniature: the replica in bundle 0, one worker per fake GPU."""
     pg = placement_group(placement_bundles(2, 0.1, gpu=True, driver_cpus=0.1), strategy=PLACEMENT_STRATEGY)

@@ -72,6 +72,9 @@ def _replica_states() -> dict:
     return dict(status.deployments["LLMServer"].replica_states)
 
 
+# Two minutes on the 2-core CI machine: the slow tier. The default suite keeps the same placement
+# rules at the Ray level (tests/test_placement.py: whole-node TP8 groups, a third one pending).
+@pytest.mark.slow
 def test_two_tp8_replicas_take_one_node_each_and_a_third_stays_pending(cluster):
     _, nodes, model_dir = cluster
     deploy(model_dir, 2, blocking=False)
