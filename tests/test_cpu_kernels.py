@@ -161,6 +161,27 @@ def test_fp4_store_codes_at_rounding_boundaries_equal_the_reference():
             assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), "stored pages differ"
 
 
+@pytest.mark.parametrize("head_dim", [64, 36])
+def test_fp4_store_outlier_ties_take_the_lowest_index(head_dim):
+    """Magnitudes from a handful of values, so that outlier candidates tie (and some vectors hold
+    fewer nonzero entries than slots): the extension picks the reference's slots, bit for bit
+    (lowest index first among equals, zeros never). head_dim 36: the scalar pick on any CPU."""
+    fmt = FP4Format(group_size=8, outliers=8)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=head_dim, block_size=16, compute_dtype=torch.float32)
+    ext, ref = (create_kv_cache("fp4", spec, 16, "cpu", (fmt, fmt)) for _ in range(2))
+    ref.use_cpu_kernels = False
+    gen = torch.Generator().manual_seed(0)
+    values = torch.tensor([0.0, 1.0, -1.0, 2.0, -2.0, 3.0, -3.0])
+    k = values[torch.randint(7, (256, 2, head_dim), generator=gen)]
+    k[:8] *= (torch.rand(8, 2, head_dim, generator=gen) < 0.05)  # mostly zeros: empty slots
+    v = k.roll(1, 0)
+    for cache in (ext, ref):
+        cache.store(0, k, v, torch.arange(256))
+    for got, want in zip(ext.layer_pages(0), ref.layer_pages(0)):
+        for g, w in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want))):
+            assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), "stored pages differ"
+
+
 @pytest.mark.parametrize("kv", ["bf16", "fp8", "fp4"])
 def test_stories260k_tokens_equal_the_torch_reference(stories_paths, kv):
     """The engine on the extension gives the torch reference path's greedy tokens, token for token

@@ -949,6 +949,35 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
     }
   }
   for (int d = 0; d < D && outliers && !(D % 16 == 0 && D <= 256); ++d) {
+#elif defined(APP_AVX2)
+  if (outliers && D % 8 == 0 && D <= 256) {  // as the AVX-512 picks, 8 lanes a vector
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mag[32];
+    for (int v = 0; v < D / 8; ++v) mag[v] = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * v));
+    for (int k = 0; k < outliers; ++k) {
+      __m256 mx = mag[0];
+      for (int v = 1; v < D / 8; ++v) mx = _mm256_max_ps(mx, mag[v]);
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      const float best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      if (!(best > 0.0f)) break;
+      const __m256 b = _mm256_set1_ps(best);
+      for (int v = 0; v < D / 8; ++v) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(mag[v], b, _CMP_EQ_OQ));
+        if (hit) {
+          const int lane = __builtin_ctz(unsigned(hit));
+          top_v[k] = best;
+          top_i[k] = 8 * v + lane;
+          alignas(32) float m8[8];
+          _mm256_store_ps(m8, mag[v]);
+          m8[lane] = -1.0f;
+          mag[v] = _mm256_load_ps(m8);
+          break;
+        }
+      }
+    }
+  }
+  for (int d = 0; d < D && outliers && !(D % 8 == 0 && D <= 256); ++d) {
 #else
   for (int d = 0; d < D && outliers; ++d) {
 #endif
