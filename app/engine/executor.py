@@ -59,7 +59,7 @@ class StepMessageBuilder:
             whole = sent is None or sent[0] != seq.num_preemptions
             table = seq.block_table
             block_ids = table if whole else table[sent[1]:]
-            do_sample = end == seq.num_tokens
+            do_sample = seq.step_samples(num_new)
             num_prompt = seq.num_prompt_tokens
             targets = None
             if seq.sampling_params.prompt_logprobs is not None and start + 1 < num_prompt:

@@ -257,7 +257,7 @@ class Scheduler:
         here; the requests whose step reaches their last token sample).
         """
         if launched_preemptions is None:
-            sampling = [seq for seq, n in out.scheduled if seq.num_scheduled_tokens + n == seq.num_tokens]
+            sampling = [seq for seq, n in out.scheduled if seq.step_samples(n)]
             launched_preemptions = self.on_launched(out, sampling)
         finished = []
         samplers = {seq.request_id for seq in sampling}

@@ -84,6 +84,11 @@ class Sequence:
         """Tokens computed or being computed: where the next step of this sequence starts."""
         return self.num_computed_tokens + self.num_inflight_tokens
 
+    def step_samples(self, num_new: int) -> bool:
+        """A step scheduling num_new more tokens of it reaches its last token, so the step samples
+        its next one (the one rule for the step message's rows and the scheduler's bookkeeping)."""
+        return self.num_scheduled_tokens + num_new == self.num_tokens
+
     def token_slice(self, start: int, end: int) -> list[int]:
         """Token ids [start, end); a pending token reads as PENDING_TOKEN (the model runner takes it
         from the previous step's samples on the device)."""
