@@ -76,7 +76,10 @@ class RequestMetrics:
 
 
 @dataclass(slots=True, eq=False)
-class _LaunchedStep:
+class _StepInFlight:
+    """The engine's record of a launched step until it is collected: what the scheduler and the
+    executor each returned at launch, and when."""
+
     sched: SchedulerOutput
     step: LaunchedStep  # the executor's
     preemptions: list[int]  # Scheduler.on_launched's
@@ -158,7 +161,7 @@ class LLMEngine:
             self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, eos
         )
         self.async_scheduling = self.executor.pipelined = resolve_async_scheduling(config, self.executor)
-        self._in_flight: _LaunchedStep | None = None  # async scheduling: the step launched, not yet collected
+        self._in_flight: _StepInFlight | None = None  # async scheduling: the step launched, not yet collected
         self._undelivered: list[RequestOutput] = []  # collected when a launch failed: the next step() returns them
         self._requests: dict[str, _RequestState] = {}  # by sequence id
         self._choices: dict[str, list[str]] = {}  # request id of an n > 1 request -> its sequence ids
@@ -325,7 +328,7 @@ class LLMEngine:
             logger.exception("collecting the step in flight after a failed launch failed too")
             self._drop_in_flight()
 
-    def _launch(self) -> _LaunchedStep | None:
+    def _launch(self) -> _StepInFlight | None:
         """Schedule a step and launch it (None: nothing to run)."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -337,7 +340,7 @@ class LLMEngine:
             runner.sync_timings = self.sync_step_timings
         t1 = time.perf_counter()
         step = self.executor.launch(sched)
-        return _LaunchedStep(sched, step, self.scheduler.on_launched(sched, step.sampling), t0, t1)
+        return _StepInFlight(sched, step, self.scheduler.on_launched(sched, step.sampling), t0, t1)
 
     def _drop_in_flight(self) -> None:
         """After a failed step: forget the step in flight, if any (its requests recompute what it
@@ -348,7 +351,7 @@ class LLMEngine:
         for seq in self.scheduler.requests.values():
             seq.num_inflight_tokens = seq.num_pending_tokens = 0
 
-    def _collect(self, launched: _LaunchedStep) -> list[RequestOutput]:
+    def _collect(self, launched: _StepInFlight) -> list[RequestOutput]:
         """Wait for a launched step and turn its samples into outputs."""
         sched = launched.sched
         sampled_seqs, out = self.executor.collect(launched.step)
