@@ -5,9 +5,10 @@
 // reference in app/kernels/attention_ref.py is the ground truth it is tested against.
 //
 //   decode(...)  one new token per sequence: a loop per (sequence, KV head) over the sequence's
-//                tokens in tiles of TILE, each tile dequantized into a small float buffer (K
-//                transposed, so the scores of a tile are TILE-wide vector FMAs), an online
-//                softmax, and P x V accumulated in float. The context is never materialized.
+//                tokens in tiles of TILE, each token's K and V dequantized in registers or a small
+//                float buffer (AVX-512: 16-wide rows; AVX2: 8-wide rows; plain C++: the tile's K
+//                transposed, so its scores are TILE-wide FMAs), an online softmax, and P x V
+//                accumulated in float. The context is never materialized.
 //   gather(...)  the listed blocks dequantized into [n * block_size, H, D] of the compute dtype,
 //                for prefill chunks, whose attention then runs in torch's fused CPU kernel.
 //
@@ -26,7 +27,7 @@
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define APP_AVX2 1  // CPUs without AVX-512 (e.g. Zen 1-3): 8-wide versions of the fp4 store's loops
+#define APP_AVX2 1  // CPUs without AVX-512 (e.g. Zen 1-3): 8-wide decode rows, fp4 store and dequantization
 #endif
 
 #include <algorithm>
@@ -580,11 +581,14 @@ void decode_one_avx2(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor
       float* sg = s + g * TILE;
       const float corr = softmax_tile(sg, n, m[g], l[g]);
       float* ag = acc + g * D;
+      const __m256 c = _mm256_set1_ps(corr);
       for (int v0 = 0; v0 < nv; v0 += 4) {
         const int k = std::min(4, nv - v0);
-        const __m256 c = _mm256_set1_ps(corr);
         __m256 o[4];
-        for (int j = 0; j < 4; ++j) o[j] = j < k ? _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * (v0 + j)), c) : _mm256_setzero_ps();
+        for (int j = 0; j < 4; ++j) {
+          o[j] = j < k ? _mm256_loadu_ps(ag + 8 * (v0 + j)) : _mm256_setzero_ps();
+          if (corr != 1.0f) o[j] = _mm256_mul_ps(o[j], c);
+        }
         for (int t = 0; t < n; ++t) {
           const __m256 pt = _mm256_set1_ps(sg[t]);
           for (int j = 0; j < 4; ++j)
@@ -921,8 +925,9 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
                       uint8_t* codes, uint8_t* scales, uint8_t* scale_exp, at::BFloat16* out_vals, uint8_t* out_idx) {
   // Outliers: the `outliers` largest magnitudes (> 0; the lower index first among equals), kept in
   // bf16 and taken out of x; unused slots hold value 0 at index 0.
-  // One pass keeping the k largest so far in order; strict comparisons keep the lower index
-  // ahead of a later equal magnitude, and a magnitude of 0 is never taken.
+  // Vector-wide (AVX-512, AVX2): k rounds of taking the largest left, the lowest index among
+  // equals. Otherwise one pass keeping the k largest so far in order; strict comparisons keep
+  // the lower index ahead of a later equal magnitude. A magnitude of 0 is never taken.
   float top_v[16];
   int top_i[16];
   for (int k = 0; k < outliers; ++k) top_v[k] = 0.0f, top_i[k] = -1;
@@ -968,10 +973,8 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
           const int lane = __builtin_ctz(unsigned(hit));
           top_v[k] = best;
           top_i[k] = 8 * v + lane;
-          alignas(32) float m8[8];
-          _mm256_store_ps(m8, mag[v]);
-          m8[lane] = -1.0f;
-          mag[v] = _mm256_load_ps(m8);
+          const __m256i at = _mm256_cmpeq_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(lane));
+          mag[v] = _mm256_blendv_ps(mag[v], _mm256_set1_ps(-1.0f), _mm256_castsi256_ps(at));  // never again
           break;
         }
       }
