@@ -282,7 +282,6 @@ def test_smollm2_greedy_answer_equals_transformers(smollm2, smollm2_hf, kv):
     from app.engine.sampling_params import SamplingParams
     from app.llm import LLM
 
-    path, f = smollm2
     llm = LLM(model=SMOLLM2, kv_cache_dtype=kv, num_kv_blocks=64)
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
     ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0]
