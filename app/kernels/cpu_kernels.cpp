@@ -230,6 +230,18 @@ struct FP8Reader : InOrderRows {
 };
 
 #ifdef APP_AVX2
+// The sum and the maximum of an 8-float vector's lanes.
+inline float hsum8(__m256 a) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+inline float hmax8(__m256 a) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
 // 4 code bytes -> their 8 E2M1 values in order (element 2i: the low nibble of byte i), unscaled.
 inline __m256 e2m1x8(const uint8_t* c) {
   uint32_t w;
@@ -367,6 +379,13 @@ void store_out(at::Tensor& out, int64_t row, int64_t head0, int G, int D, const 
   }
 }
 
+// The online softmax's state before the first tile: accumulators [G, D] zero, maxima [G] -1e30, sums [G] 0.
+inline void start_softmax(float* acc, float* m, float* l, int G, int D) {
+  std::fill(acc, acc + G * D, 0.0f);
+  std::fill(m, m + G, -1e30f);
+  std::fill(l, l + G, 0.0f);
+}
+
 // Block tables, int32 or int64 [num_seqs, max_blocks] (any row stride), read without tensor calls.
 struct BlockTable {
   const int32_t* t32;
@@ -379,6 +398,8 @@ struct BlockTable {
     TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, "block tables: [num_seqs, max_blocks], rows contiguous");
   }
   int64_t operator()(int64_t i, int64_t j) const { return t32 ? t32[i * stride + j] : t64[i * stride + j]; }
+  // The page slot of sequence i's token at position pos.
+  int64_t slot(int64_t i, int64_t pos, int block_size) const { return (*this)(i, pos / block_size) * block_size + pos % block_size; }
 };
 
 // One (sequence, KV head): its G query heads attend to its seq_len tokens.
@@ -395,14 +416,12 @@ void decode_one(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out
   float* l = m + G;                  // [G]
   float* krow = l + G;               // [D]
   load_query(q, row, kv_head * G, G, D, scale, qv);
-  std::fill(acc, acc + G * D, 0.0f);
-  std::fill(m, m + G, -1e30f);
-  std::fill(l, l + G, 0.0f);
+  start_softmax(acc, m, l, G, D);
   for (int64_t t0 = 0; t0 < seq_len; t0 += TILE) {
     const int n = int(std::min<int64_t>(TILE, seq_len - t0));
     for (int t = 0; t < n; ++t) {
       const int64_t pos = t0 + t;
-      const int64_t slot = tables(seq, pos / block_size) * block_size + pos % block_size;
+      const int64_t slot = tables.slot(seq, pos, block_size);
       kr.load(slot, kv_head, krow, D);
       for (int d = 0; d < D; ++d) kt[d * TILE + t] = krow[d];
       vr.load(slot, kv_head, vt + t * D, D);
@@ -466,9 +485,7 @@ void decode_one_vec(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor&
   load_query(q, row, kv_head * G, G, D, scale, qn);
   for (int g = 0; g < G; ++g)
     for (int e = 0; e < D; ++e) qp[g * D + KR::pos(e)] = qn[g * D + e];
-  std::fill(acc, acc + G * D, 0.0f);
-  std::fill(m, m + G, -1e30f);
-  std::fill(l, l + G, 0.0f);
+  start_softmax(acc, m, l, G, D);
   const int ko = kr.num_outliers(), vo = vr.num_outliers();
   __m512 x[16];
   int64_t slots[TILE];
@@ -476,7 +493,7 @@ void decode_one_vec(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor&
     const int n = int(std::min<int64_t>(TILE, seq_len - t0));
     for (int t = 0; t < n; ++t) {
       const int64_t p = t0 + t;
-      slots[t] = tables(seq, p / block_size) * block_size + p % block_size;
+      slots[t] = tables.slot(seq, p, block_size);
       const float f = kr.vload(slots[t], kv_head, x, D);
       __m512i opos = _mm512_setzero_si512();
       __m512 oval = _mm512_setzero_ps();
@@ -537,12 +554,6 @@ void decode_one_vec(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor&
 #endif
 
 #ifdef APP_AVX2
-inline float hsum8(__m256 a) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-}
-
 // decode_one with 8-wide rows (CPUs with AVX2 and no AVX-512): each token's K row is loaded once
 // (the readers' load, dequantized) and its score for each query head is D/8 FMAs and a horizontal
 // add, without decode_one's transposed copy of the tile; P x V runs on accumulators held in
@@ -560,14 +571,12 @@ void decode_one_avx2(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor
   float* l = m + G;           // [G]
   float* krow = l + G;        // [D]
   load_query(q, row, kv_head * G, G, D, scale, qv);
-  std::fill(acc, acc + G * D, 0.0f);
-  std::fill(m, m + G, -1e30f);
-  std::fill(l, l + G, 0.0f);
+  start_softmax(acc, m, l, G, D);
   for (int64_t t0 = 0; t0 < seq_len; t0 += TILE) {
     const int n = int(std::min<int64_t>(TILE, seq_len - t0));
     for (int t = 0; t < n; ++t) {
       const int64_t pos = t0 + t;
-      const int64_t slot = tables(seq, pos / block_size) * block_size + pos % block_size;
+      const int64_t slot = tables.slot(seq, pos, block_size);
       kr.load(slot, kv_head, krow, D);
       for (int g = 0; g < G; ++g) {
         const float* qg = qv + g * D;
@@ -645,7 +654,7 @@ void decode_one_bf16(const DenseReader& kr, const DenseReader& vr, const at::Ten
     const int n = int(std::min<int64_t>(TILE, seq_len - t0));
     for (int t = 0; t < n; ++t) {
       const int64_t pos = t0 + t;
-      const int64_t slot = tables(seq, pos / block_size) * block_size + pos % block_size;
+      const int64_t slot = tables.slot(seq, pos, block_size);
       kt[t] = kbase + (slot * kr.heads + kv_head) * D;
       vt[t] = vbase + (slot * vr.heads + kv_head) * D;
     }
@@ -880,9 +889,7 @@ inline float group_codes(const float* x, int n, float safe, uint8_t* code) {
     std::memcpy(code + i, &lo, 4);
     std::memcpy(code + i + 4, &hi, 4);
   }
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  err = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+  err = hsum8(acc);
 #endif
   for (; i < n; ++i) {
     const float v = x[i] / safe;
@@ -962,9 +969,7 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
     for (int k = 0; k < outliers; ++k) {
       __m256 mx = mag[0];
       for (int v = 1; v < D / 8; ++v) mx = _mm256_max_ps(mx, mag[v]);
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      const float best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      const float best = hmax8(mx);
       if (!(best > 0.0f)) break;
       const __m256 b = _mm256_set1_ps(best);
       for (int v = 0; v < D / 8; ++v) {
@@ -1018,9 +1023,7 @@ void fp4_quantize_row(float* x, int D, int group, int outliers, const std::vecto
       const __m256 sign = _mm256_set1_ps(-0.0f);
       __m256 mv = _mm256_setzero_ps();
       for (; i < group; i += 8) mv = _mm256_max_ps(mv, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + g * group + i)));
-      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
-      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-      m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      m = hmax8(mv);
     }
 #endif
     for (; i < group; ++i) m = std::max(m, std::fabs(x[g * group + i]));
