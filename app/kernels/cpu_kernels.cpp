@@ -154,6 +154,7 @@ inline float softmax_tile(float* sg, int n, float& m, float& l) {
 // What the decode's vector path asks of a reader besides vload (x[0 .. D/16) <- the row in the
 // order pos() gives, times the returned factor): dense and fp8 rows keep their order, no outliers.
 struct InOrderRows {
+  static constexpr bool kVec8 = false;  // no load_pos (decode_one_avx2 calls load)
   static int pos(int e) { return e; }
   bool vec_ok(int D) const { return D % 16 == 0 && D <= 256; }
   int num_outliers() const { return 0; }
@@ -265,9 +266,12 @@ struct FP4Reader {
   int64_t heads;
   int group;
   int outliers;
+  int row_groups;              // head_dim / group
   int32_t lane_group[8 * 16];  // [run b][lane j]: (32b + 2j) / group, for the vector path
+  uint8_t half_group[16];      // [i]: 16 i / group, the group of elements [16 i, 16 i + 16) (load_pos)
   void set_lanes() {
     for (int i = 0; i < 8 * 16; ++i) lane_group[i] = std::min(15, (32 * (i / 16) + 2 * (i % 16)) / group);
+    for (int i = 0; i < 16; ++i) half_group[i] = uint8_t(std::min(255, 16 * i / group));
   }
   void load(int64_t slot, int64_t h, float* dst, int D) const {
     const Tables& t = tables();
@@ -298,9 +302,42 @@ struct FP4Reader {
     for (int k = 0; k < outliers; ++k)
       dst[out_idx[r * outliers + k]] += bf16_to_float(out_vals[r * outliers + k]);
   }
-  // The vector path reads 16 code bytes (32 elements) at a time: lanes j hold elements 2j (low
+  // The vector paths read 16 code bytes (32 elements) at a time: lanes j hold elements 2j (low
   // nibbles) and 2j + 1 (high nibbles), so each run of 32 elements is stored evens first.
   static int pos(int e) { return 32 * (e / 32) + (e % 2) * 16 + (e % 32) / 2; }
+  static constexpr bool kVec8 = true;
+#ifdef APP_AVX2
+  // The 8-wide row load: dst[0, D) <- the row in pos() order, outliers not added. 16 code bytes
+  // split into nibbles, mapped to 2x their E2M1 value as int8 by one byte shuffle each, widened to
+  // floats and multiplied by half their group's scale (the same products as load's, exactly).
+  // Vector 4b + j holds elements 32b + 16 (j % 2) + 2i + j / 2 (i < 8): one group each when the
+  // group is a multiple of 16.
+  bool vec8_ok(int D) const { return D % 32 == 0 && D <= 256 && group % 16 == 0; }
+  void load_pos(int64_t slot, int64_t h, float* dst, int D) const {
+    const Tables& t = tables();
+    const int64_t r = slot * heads + h;
+    const uint8_t* c = codes + r * (D / 2);
+    const uint8_t* s = scales + r * row_groups;
+    const float half = pow2(int(scale_exp[r]) - 127) * 0.5f;
+    const __m128i twice = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    auto put = [](float* p, __m128i b8, __m256 sc) {
+      _mm256_storeu_ps(p, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8)), sc));
+    };
+    for (int b = 0; b < D / 32; ++b) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * b));
+      const __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(v, low4));
+      const __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(v, 4), low4));
+      const __m256 s0 = _mm256_set1_ps(t.e4m3[s[half_group[2 * b]]] * half);
+      const __m256 s1 = _mm256_set1_ps(t.e4m3[s[half_group[2 * b + 1]]] * half);
+      float* p = dst + 32 * b;
+      put(p, lo, s0);
+      put(p + 8, _mm_unpackhi_epi64(lo, lo), s1);
+      put(p + 16, hi, s0);
+      put(p + 24, _mm_unpackhi_epi64(hi, hi), s1);
+    }
+  }
+#endif
   bool vec_ok(int D) const { return D % 32 == 0 && D <= 256 && D / group <= 16 && outliers <= 16; }
   int num_outliers() const { return outliers; }
   void outlier(int64_t slot, int64_t h, int k, int& idx, float& val) const {
@@ -555,36 +592,68 @@ void decode_one_vec(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor&
 
 #ifdef APP_AVX2
 // decode_one with 8-wide rows (CPUs with AVX2 and no AVX-512): each token's K row is loaded once
-// (the readers' load, dequantized) and its score for each query head is D/8 FMAs and a horizontal
-// add, without decode_one's transposed copy of the tile; P x V runs on accumulators held in
-// registers, 4 vectors at a time. Needs D % 8 == 0.
-template <typename KR, typename VR>
+// and its score for each query head is D/8 FMAs and a horizontal add, without decode_one's
+// transposed copy of the tile; P x V runs on accumulators held in registers, 4 vectors at a time.
+// Needs D % 8 == 0. KV (VV): K's (V's) rows come from the reader's load_pos, in its pos() order
+// without outliers, which are added apart; q (the accumulator) is then kept in that order and the output put
+// back in order at the end. Otherwise rows come from load(), in order.
+template <typename KR, typename VR, bool KV, bool VV>
 void decode_one_avx2(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out, const BlockTable& tables,
                      int64_t seq, int64_t row, int64_t seq_len, int64_t kv_head, int G, int D, int block_size,
                      float scale, std::vector<float>& buf, float* lse) {
   const int nv = D / 8;
-  float* qv = buf.data();     // [G, D]
-  float* acc = qv + G * D;    // [G, D]
-  float* vt = acc + G * D;    // [TILE, D]
+  float* qv = buf.data();     // [G, D] in K's order
+  float* acc = qv + G * D;    // [G, D] in V's order
+  float* vt = acc + G * D;    // [TILE, D] in V's order
   float* s = vt + TILE * D;   // [G, TILE]
   float* m = s + G * TILE;    // [G]
   float* l = m + G;           // [G]
   float* krow = l + G;        // [D]
-  load_query(q, row, kv_head * G, G, D, scale, qv);
+  float* tmp = krow + D;      // [G, D]: q in order (KV), then the output in order (VV)
+  load_query(q, row, kv_head * G, G, D, scale, KV ? tmp : qv);  // with KV, tmp keeps q in order for the outliers
+  if constexpr (KV)
+    for (int g = 0; g < G; ++g)
+      for (int e = 0; e < D; ++e) qv[g * D + KR::pos(e)] = tmp[g * D + e];
   start_softmax(acc, m, l, G, D);
   for (int64_t t0 = 0; t0 < seq_len; t0 += TILE) {
     const int n = int(std::min<int64_t>(TILE, seq_len - t0));
     for (int t = 0; t < n; ++t) {
       const int64_t pos = t0 + t;
       const int64_t slot = tables.slot(seq, pos, block_size);
-      kr.load(slot, kv_head, krow, D);
+      if constexpr (KV) kr.load_pos(slot, kv_head, krow, D);
+      else kr.load(slot, kv_head, krow, D);
       for (int g = 0; g < G; ++g) {
         const float* qg = qv + g * D;
-        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(krow), _mm256_loadu_ps(qg));
-        for (int v = 1; v < nv; ++v) a = _mm256_fmadd_ps(_mm256_loadu_ps(krow + 8 * v), _mm256_loadu_ps(qg + 8 * v), a);
-        s[g * TILE + t] = hsum8(a);
+        // two accumulators: half the dependent FMA chain
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(krow), _mm256_loadu_ps(qg)), b = _mm256_setzero_ps();
+        int v = 1;
+        for (; v + 1 < nv; v += 2) {
+          b = _mm256_fmadd_ps(_mm256_loadu_ps(krow + 8 * v), _mm256_loadu_ps(qg + 8 * v), b);
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(krow + 8 * v + 8), _mm256_loadu_ps(qg + 8 * v + 8), a);
+        }
+        if (v < nv) b = _mm256_fmadd_ps(_mm256_loadu_ps(krow + 8 * v), _mm256_loadu_ps(qg + 8 * v), b);
+        float sc = hsum8(_mm256_add_ps(a, b));
+        if constexpr (KV)
+          for (int k = 0; k < kr.num_outliers(); ++k) {
+            int idx;
+            float val;
+            kr.outlier(slot, kv_head, k, idx, val);
+            sc += tmp[g * D + idx] * val;
+          }
+        s[g * TILE + t] = sc;
       }
-      vr.load(slot, kv_head, vt + t * D, D);
+      float* vrow = vt + t * D;
+      if constexpr (VV) {
+        vr.load_pos(slot, kv_head, vrow, D);
+        for (int k = 0; k < vr.num_outliers(); ++k) {
+          int idx;
+          float val;
+          vr.outlier(slot, kv_head, k, idx, val);
+          vrow[VR::pos(idx)] += val;
+        }
+      } else {
+        vr.load(slot, kv_head, vrow, D);
+      }
     }
     for (int g = 0; g < G; ++g) {
       float* sg = s + g * TILE;
@@ -607,7 +676,13 @@ void decode_one_avx2(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor
       }
     }
   }
-  store_out(out, row, kv_head * G, G, D, acc, l, m, lse);
+  if constexpr (VV) {
+    for (int g = 0; g < G; ++g)
+      for (int e = 0; e < D; ++e) tmp[g * D + e] = acc[g * D + VR::pos(e)];  // back in order (tmp is free now)
+    store_out(out, row, kv_head * G, G, D, tmp, l, m, lse);
+  } else {
+    store_out(out, row, kv_head * G, G, D, acc, l, m, lse);
+  }
 }
 #endif
 
@@ -717,6 +792,11 @@ void decode_all(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out
 #else
   const bool vec = false;
 #endif
+#ifdef APP_AVX2
+  bool vec8 = D % 8 == 0;
+  if constexpr (KR::kVec8) vec8 = vec8 && kr.vec8_ok(D);
+  if constexpr (VR::kVec8) vec8 = vec8 && vr.vec8_ok(D);
+#endif
 #ifdef APP_AVX512_BF16
   const int nv16 = bf16_decode_nv(kr, vr, q, D);
 #endif
@@ -744,8 +824,16 @@ void decode_all(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor& out
       }
 #endif
 #ifdef APP_AVX2
+      if constexpr (KR::kVec8 || VR::kVec8) {
+        if (vec8) {
+          decode_one_avx2<KR, VR, KR::kVec8, VR::kVec8>(kr, vr, q, out, tables, seq, row[seq], lens[seq], h, G, D,
+                                                        block_size, float(scale), buf, lse);
+          continue;
+        }
+      }
       if (D % 8 == 0) {
-        decode_one_avx2(kr, vr, q, out, tables, seq, row[seq], lens[seq], h, G, D, block_size, float(scale), buf, lse);
+        decode_one_avx2<KR, VR, false, false>(kr, vr, q, out, tables, seq, row[seq], lens[seq], h, G, D, block_size,
+                                              float(scale), buf, lse);
         continue;
       }
 #endif
@@ -812,7 +900,7 @@ void with_reader(const Pages& p, F&& f) {
   } else {
     FP4Reader r{p.t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint8_t*>(p.t[1].data_ptr()),
                 p.t[2].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(p.t[3].data_ptr()),
-                p.t[4].data_ptr<uint8_t>(), p.heads, p.group, int(p.t[3].size(3)), {}};
+                p.t[4].data_ptr<uint8_t>(), p.heads, p.group, int(p.t[3].size(3)), int(p.head_dim / p.group), {}, {}};
     r.set_lanes();
     f(r);
   }
