@@ -26,3 +26,25 @@ def stories_paths():
     if not STORIES_MODEL.exists():
         pytest.skip(f"stories260K not found at {STORIES_DIR}")
     return str(STORIES_MODEL), str(STORIES_TOKENIZER)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Name the threads still alive when the tests are done (a crash while the interpreter shuts
+    down, with all tests passed, is easier to place with this and faulthandler's dump)."""
+    import threading
+
+    alive = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if alive and reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line("threads alive at the end of the session: " +
+                            ", ".join(f"{t.name} (daemon)" if t.daemon else t.name for t in alive))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    # pytest's own faulthandler stops with the session; a crash in the interpreter's shutdown after
+    # it (exit code 139, no traceback) should still name the threads and their stacks
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)
