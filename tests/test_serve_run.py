@@ -72,6 +72,9 @@ def _load_test(url: str, num_requests: int, distinct: bool, max_tokens: int = 12
     assert all(r.completion_tokens >= 1 for r in results)
 
 
+# 2 minutes on the 2-core CI machine: the slow tier; bench/cpu_vs_vllm.py runs the same load and
+# reports it (bench/RESULTS.md). The default suite keeps the OpenAI client against `serve run`.
+@pytest.mark.slow
 @pytest.mark.parametrize("distinct", [False, True], ids=["same-prompt", "distinct-prompts"])
 def test_load_test_from_the_product_brief(server, distinct):
     _load_test(server, CI_REQUESTS[distinct], distinct, CI_MAX_TOKENS)
