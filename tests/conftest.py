@@ -28,11 +28,38 @@ def stories_paths():
     return str(STORIES_MODEL), str(STORIES_TOKENIZER)
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """Name the threads still alive when the tests are done (a crash while the interpreter shuts
-    down, with all tests passed, is easier to place with this and faulthandler's dump)."""
+def _stop_serve_router_loop() -> None:
+    """Stop the event loop thread Ray Serve keeps in a driver that made DeploymentHandles (one per
+    process, for all handles' routers, never stopped by serve.shutdown or ray.shutdown). Its loop
+    records Ray metrics every few seconds; left running into the interpreter's shutdown it calls
+    into Ray's C++ side while that is torn down (the suite's process ran ~20 Ray sessions)."""
     import threading
 
+    try:
+        from ray.serve._private.router import SingletonThreadRouter
+    except ImportError:
+        return
+    loop = getattr(SingletonThreadRouter, "_asyncio_loop", None)
+    if loop is None or loop.is_closed():
+        return
+    monitor = getattr(SingletonThreadRouter, "_event_loop_monitor", None)
+    if monitor is not None:
+        loop.call_soon_threadsafe(monitor.stop)
+    loop.call_soon_threadsafe(loop.stop)
+    for t in threading.enumerate():
+        if "_run_router_event_loop" in t.name:
+            t.join(5.0)
+    SingletonThreadRouter._asyncio_loop = None
+    SingletonThreadRouter._event_loop_monitor = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop Ray Serve's driver-side router loop, then name the threads still alive when the tests
+    are done (a crash while the interpreter shuts down, with all tests passed, is easier to place
+    with this and faulthandler's dump)."""
+    import threading
+
+    _stop_serve_router_loop()
     alive = [t for t in threading.enumerate() if t is not threading.main_thread()]
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if alive and reporter is not None:
