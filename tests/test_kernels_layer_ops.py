@@ -73,6 +73,9 @@ def test_store_reads_strided_token_rows():
     assert all(torch.equal(x, y) for x, y in zip(page_bits(a_k) + page_bits(a_v), page_bits(b_k) + page_bits(b_v)))
 
 
+# 40 s under the interpreter on the 2-core CI machine: the slow tier. The default suite keeps each
+# kernel against its reference (above); on a GPU tests/test_engine_gpu.py runs the same model compiled.
+@pytest.mark.slow
 def test_widened_model_with_layer_kernels_decodes_like_the_small_one(stories_paths, tmp_path):
     """The model with its fused projections and the three kernels (interpreted) on: stories260K widened
     to head_dim 32 gives the small model's greedy tokens (float32)."""
