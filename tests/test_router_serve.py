@@ -96,23 +96,18 @@ def test_session_turns_stay_on_one_replica_and_hit_the_cache(url):
 
 
 def test_many_sessions_spread_over_all_replicas(url):
-    """24 new sessions with nothing cached go by rendezvous hashing of the session id (the load
-    bound moves one only when its replica carries much more than the least loaded one). The
-    hash's split of 24 sessions over 3 replica ids is binomial-like (a 13/5/6 split happens in
-    about 8% of deployments), so the check is against the policy's own prediction for these
-    replica ids, not a fixed share: every replica serves sessions, nearly all sessions sit where
-    the hash puts them, and no replica ends up with more than the hash gives it plus the sessions
-    the load bound moved."""
-    async def run():
-        async with httpx.AsyncClient(timeout=120) as client:
-            async def one(i):
-                r = await client.post(f"{url}/v1/completions", headers={"x-session-id": f"spread-{i}"},
-                                      json={"model": "tiny-llama", "prompt": f"Session {i} starts here. " * 4,
-                                            "max_tokens": 4, "temperature": 0})
-                assert r.status_code == 200, r.text
-            await asyncio.gather(*(one(i) for i in range(24)))
-
-    asyncio.run(run())
+    """24 new sessions with nothing cached go by rendezvous hashing of the session id. They are
+    sent one after another, so no replica is ever over the load bound and each session must sit
+    exactly where the hash puts it for these replica ids (the policy's own prediction: a 13/5/6
+    split of 24 sessions is a binomial-like outcome, not a fault), and every replica serves some.
+    (Sent as one burst of 24, the bound also moved a varying number of them, 9 in one run, while
+    the first requests landed: the bound has its own test below.)"""
+    with httpx.Client(timeout=120) as client:
+        for i in range(24):
+            r = client.post(f"{url}/v1/completions", headers={"x-session-id": f"spread-{i}"},
+                            json={"model": "tiny-llama", "prompt": f"Session {i} starts here. " * 4,
+                                  "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
     owners = {}
     for i in range(24):
         holders = _confirmed_holders(f"Session {i} starts here. " * 4)
@@ -120,12 +115,9 @@ def test_many_sessions_spread_over_all_replicas(url):
     replicas = sorted(ray.get(_index().replica_stats.remote()))
     assert len(replicas) == 3 and set(owners.values()) <= set(replicas), (replicas, owners)
     predicted = {i: max(replicas, key=lambda r: rendezvous_score(f"spread-{i}", r)) for i in range(24)}
-    moved = sum(owners[i] != predicted[i] for i in range(24))
-    counts = Counter(owners.values())
     where = f"owners {owners}, hash {predicted}"
-    assert len(counts) == 3, where
-    assert moved <= 8, where  # a random spread would move about 16
-    assert max(counts.values()) <= max(Counter(predicted.values()).values()) + moved, where
+    assert owners == predicted, where
+    assert len(Counter(owners.values())) == 3, where
 
 
 def test_new_session_follows_a_shared_prefix_unless_its_replica_is_overloaded(url):
