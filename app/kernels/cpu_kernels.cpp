@@ -266,7 +266,7 @@ struct FP4Reader {
   int64_t heads;
   int group;
   int outliers;
-  int row_groups;              // head_dim / group
+  int row_groups;              // head_dim / group, kept so that reading a row divides nothing
   int32_t lane_group[8 * 16];  // [run b][lane j]: (32b + 2j) / group, for the vector path
   uint8_t half_group[16];      // [i]: 16 i / group, the group of elements [16 i, 16 i + 16) (load_pos)
   void set_lanes() {
@@ -277,11 +277,11 @@ struct FP4Reader {
     const Tables& t = tables();
     const int64_t r = slot * heads + h;
     const uint8_t* c = codes + r * (D / 2);
-    const uint8_t* s = scales + r * (D / group);
+    const uint8_t* s = scales + r * row_groups;
     const float second = pow2(int(scale_exp[r]) - 127);
 #ifdef APP_AVX2
     if (group % 8 == 0) {  // 8 values per step, the same products as below
-      for (int g = 0; g < D / group; ++g) {
+      for (int g = 0; g < row_groups; ++g) {
         const __m256 sg = _mm256_set1_ps(t.e4m3[s[g]] * second);
         for (int i = 0; i < group; i += 8)
           _mm256_storeu_ps(dst + g * group + i, _mm256_mul_ps(e2m1x8(c + (g * group + i) / 2), sg));
@@ -291,7 +291,7 @@ struct FP4Reader {
       return;
     }
 #endif
-    for (int g = 0; g < D / group; ++g) {
+    for (int g = 0; g < row_groups; ++g) {
       const float sg = t.e4m3[s[g]] * second;
       for (int i = 0; i < group / 2; ++i) {
         const uint8_t b = c[g * group / 2 + i];
@@ -348,7 +348,7 @@ struct FP4Reader {
 #ifdef APP_AVX512
   float vload(int64_t slot, int64_t h, __m512* x, int D) const {
     const int64_t r = slot * heads + h;
-    const int ng = D / group;
+    const int ng = row_groups;
     const __m512 table = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f,
                                         -4.f, -6.f);
     // the group scales (x 2^-8), one per lane of a 16-float vector
@@ -414,6 +414,19 @@ void store_out(at::Tensor& out, int64_t row, int64_t head0, int G, int D, const 
       for (int d = 0; d < D; ++d) p[d] = acc[g * D + d] * inv;
     }
   }
+}
+
+// [G, D] rows between natural order and a reader's pos() order (the vector paths keep q and the
+// accumulator in the order their rows come in): to[g, pos(e)] = from[g, e], and back.
+template <typename R>
+void to_pos_order(const float* from, float* to, int G, int D) {
+  for (int g = 0; g < G; ++g)
+    for (int e = 0; e < D; ++e) to[g * D + R::pos(e)] = from[g * D + e];
+}
+template <typename R>
+void from_pos_order(const float* from, float* to, int G, int D) {
+  for (int g = 0; g < G; ++g)
+    for (int e = 0; e < D; ++e) to[g * D + e] = from[g * D + R::pos(e)];
 }
 
 // The online softmax's state before the first tile: accumulators [G, D] zero, maxima [G] -1e30, sums [G] 0.
@@ -520,8 +533,7 @@ void decode_one_vec(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor&
   float* vt = l + G;           // [TILE, D]: the tile's V rows (factor applied), in V's order
   float* av = vt + TILE * D;   // [G, TILE, 16]: each token's 16 partial scores, summed by hsum16
   load_query(q, row, kv_head * G, G, D, scale, qn);
-  for (int g = 0; g < G; ++g)
-    for (int e = 0; e < D; ++e) qp[g * D + KR::pos(e)] = qn[g * D + e];
+  to_pos_order<KR>(qn, qp, G, D);
   start_softmax(acc, m, l, G, D);
   const int ko = kr.num_outliers(), vo = vr.num_outliers();
   __m512 x[16];
@@ -584,8 +596,7 @@ void decode_one_vec(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor&
         }
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int e = 0; e < D; ++e) qn[g * D + e] = acc[g * D + VR::pos(e)];  // back in order (qn is free now)
+  from_pos_order<VR>(acc, qn, G, D);  // back in order (qn is free now)
   store_out(out, row, kv_head * G, G, D, qn, l, m, lse);
 }
 #endif
@@ -611,9 +622,7 @@ void decode_one_avx2(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor
   float* krow = l + G;        // [D]
   float* tmp = krow + D;      // [G, D]: q in order (KV), then the output in order (VV)
   load_query(q, row, kv_head * G, G, D, scale, KV ? tmp : qv);  // with KV, tmp keeps q in order for the outliers
-  if constexpr (KV)
-    for (int g = 0; g < G; ++g)
-      for (int e = 0; e < D; ++e) qv[g * D + KR::pos(e)] = tmp[g * D + e];
+  if constexpr (KV) to_pos_order<KR>(tmp, qv, G, D);
   start_softmax(acc, m, l, G, D);
   for (int64_t t0 = 0; t0 < seq_len; t0 += TILE) {
     const int n = int(std::min<int64_t>(TILE, seq_len - t0));
@@ -677,8 +686,7 @@ void decode_one_avx2(const KR& kr, const VR& vr, const at::Tensor& q, at::Tensor
     }
   }
   if constexpr (VV) {
-    for (int g = 0; g < G; ++g)
-      for (int e = 0; e < D; ++e) tmp[g * D + e] = acc[g * D + VR::pos(e)];  // back in order (tmp is free now)
+    from_pos_order<VR>(acc, tmp, G, D);  // back in order (tmp is free now)
     store_out(out, row, kv_head * G, G, D, tmp, l, m, lse);
   } else {
     store_out(out, row, kv_head * G, G, D, acc, l, m, lse);
