@@ -1,6 +1,7 @@
 """Shared fixtures: paths of the real tiny model in ../shared."""
 
 import os
+import threading
 from pathlib import Path
 
 # Kernel tests run the Triton kernels on CPU tensors through Triton's interpreter. triton.jit reads
@@ -33,8 +34,6 @@ def _stop_serve_router_loop() -> None:
     process, for all handles' routers, never stopped by serve.shutdown or ray.shutdown). Its loop
     records Ray metrics every few seconds; left running into the interpreter's shutdown it calls
     into Ray's C++ side while that is torn down (the suite's process ran ~20 Ray sessions)."""
-    import threading
-
     try:
         from ray.serve._private.router import SingletonThreadRouter
     except ImportError:
@@ -57,8 +56,6 @@ def pytest_sessionfinish(session, exitstatus):
     """Stop Ray Serve's driver-side router loop, then name the threads still alive when the tests
     are done (a crash while the interpreter shuts down, with all tests passed, is easier to place
     with this and faulthandler's dump)."""
-    import threading
-
     _stop_serve_router_loop()
     alive = [t for t in threading.enumerate() if t is not threading.main_thread()]
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
