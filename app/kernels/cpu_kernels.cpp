@@ -964,16 +964,23 @@ inline float group_codes(const float* x, int n, float safe, uint8_t* code) {
   const __m256 grid = _mm256_loadu_ps(kE2M1);
   const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
   const __m256i eight = _mm256_set1_epi32(8);
-  const __m256 bounds_gt[4] = {_mm256_set1_ps(0.25f * safe), _mm256_set1_ps(1.25f * safe), _mm256_set1_ps(2.5f * safe),
-                               _mm256_set1_ps(5.0f * safe)};
-  const __m256 bounds_ge[3] = {_mm256_set1_ps(0.75f * safe), _mm256_set1_ps(1.75f * safe), _mm256_set1_ps(3.5f * safe)};
+  // The code by a binary search over the 7 boundaries (three comparisons where counting the
+  // boundaries passed took seven): bit 2 is |x| >= 1.75 safe, bit 1 |x| >= 0.75 or 3.5 safe (by bit
+  // 2), bit 0 |x| > 0.25, 1.25, 2.5 or 5 safe (by bits 2-1). The boundaries that round up (>=)
+  // decide the upper bits, the four that round down (>) the last.
+  const __m256 mid = _mm256_set1_ps(1.75f * safe), lo = _mm256_set1_ps(0.75f * safe), hi = _mm256_set1_ps(3.5f * safe);
+  const __m256 last = _mm256_setr_ps(0.25f * safe, 1.25f * safe, 2.5f * safe, 5.0f * safe, 0, 0, 0, 0);
+  const __m256i two = _mm256_set1_epi32(2), one = _mm256_set1_epi32(1);
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
     const __m256 xv = _mm256_loadu_ps(x + i);
     const __m256 a = _mm256_andnot_ps(sign, xv);
-    __m256i c = _mm256_setzero_si256();  // a true comparison is all ones (-1): subtract it
-    for (const __m256& t : bounds_gt) c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(a, t, _CMP_GT_OQ)));
-    for (const __m256& t : bounds_ge) c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(a, t, _CMP_GE_OQ)));
+    const __m256 m2 = _mm256_cmp_ps(a, mid, _CMP_GE_OQ);
+    const __m256 m1 = _mm256_cmp_ps(a, _mm256_blendv_ps(lo, hi, m2), _CMP_GE_OQ);
+    const __m256i top = _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(m2), two),
+                                        _mm256_and_si256(_mm256_castps_si256(m1), one));  // code >> 1
+    const __m256 m0 = _mm256_cmp_ps(a, _mm256_permutevar8x32_ps(last, top), _CMP_GT_OQ);
+    __m256i c = _mm256_sub_epi32(_mm256_add_epi32(top, top), _mm256_castps_si256(m0));  // a true m0 is -1
     const __m256 neg = _mm256_cmp_ps(xv, zero, _CMP_LT_OQ);
     const __m256 q = _mm256_xor_ps(_mm256_permutevar8x32_ps(grid, c), _mm256_and_ps(neg, sign));
     const __m256 diff = _mm256_sub_ps(_mm256_mul_ps(q, s), xv);
