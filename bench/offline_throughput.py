@@ -5,6 +5,11 @@ Random token prompts (no prefix-cache hits). Two runs with the same prompts:
   2. max_tokens=N: decode tokens/s = (N - 1) * requests / (time of run 2 - time of run 1).
 
     python bench/offline_throughput.py --model tiny-llama --num-requests 64 --prompt-len 256 --output-len 64
+
+Several KV formats side by side in one process (`--kv-cache-dtype fp4,bf16 --rounds 3`): one engine
+per format, the formats' runs alternated (the order reversed every other round), each format's best
+round reported, and its wall time over the first format's. On a noisy host this is the ratio to read;
+separate processes (or servers run one after another) drift apart by more than the formats differ.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import json
 import platform
 import random
+import sys
 import time
 
 import torch
@@ -36,7 +42,9 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--kv-cache-dtype", default="bf16")
+    ap.add_argument("--kv-cache-dtype", default="bf16", help="a KV format, or several, comma-separated")
+    ap.add_argument("--rounds", type=int, default=1, help="timed rounds per format (the best is reported)")
+    ap.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 1GiB (default: the engine's)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--device", default="cpu")
@@ -46,34 +54,54 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    llm = LLM(
-        model=args.model, tokenizer=args.tokenizer, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
-        dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.prompt_len + args.output_len + 1,
-    )
-    vocab = min(llm.engine.model_config.vocab_size, 259)
+    kinds = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
+    extra = {"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {}
+    llms = {
+        kind: LLM(
+            model=args.model, tokenizer=args.tokenizer, kv_cache_dtype=kind, device=args.device, dtype=args.dtype,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            max_model_len=args.prompt_len + args.output_len + 1, **extra,
+        )
+        for kind in kinds
+    }
+    vocab = min(next(iter(llms.values())).engine.model_config.vocab_size, 259)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
-    timed_generate(llm, prompts[:2], 4)  # warm-up
-    t_prefill, _ = timed_generate(llm, prompts, 1)
-    t_full, n_out = timed_generate(llm, prompts, args.output_len)
+    for llm in llms.values():
+        timed_generate(llm, prompts[:2], 4)  # warm-up
+    times = {kind: {"prefill": [], "full": []} for kind in kinds}
+    n_out = 0
+    for r in range(args.rounds):
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
+            times[kind]["prefill"].append(timed_generate(llms[kind], prompts, 1)[0])
+            t_full, n_out = timed_generate(llms[kind], prompts, args.output_len)
+            times[kind]["full"].append(t_full)
+            print(f"round {r + 1}/{args.rounds} {kind}: prefill {times[kind]['prefill'][-1]:.2f} s, "
+                  f"full {t_full:.2f} s", file=sys.stderr, flush=True)
     n_prompt = args.num_requests * args.prompt_len
     n_decode = n_out - args.num_requests
-    result = {
-        "model": args.model,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "requests": args.num_requests,
-        "prompt_len": args.prompt_len,
-        "output_len": args.output_len,
-        "prefill_tok_s": round(n_prompt / t_prefill, 1),
-        "decode_tok_s": round(n_decode / max(t_full - t_prefill, 1e-9), 1),
-        "total_tok_s": round((n_prompt + n_out) / t_full, 1),
-        "wall_s": round(t_full, 2),
-        "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
-        else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-        "torch": torch.__version__,
-    }
-    print(json.dumps(result))
+    first = kinds[0]
+    for kind in kinds:
+        t_prefill, t_full = min(times[kind]["prefill"]), min(times[kind]["full"])
+        result = {
+            "model": args.model,
+            "kv_cache_dtype": kind,
+            "requests": args.num_requests,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "rounds": args.rounds,
+            "prefill_tok_s": round(n_prompt / t_prefill, 1),
+            "decode_tok_s": round(n_decode / max(t_full - t_prefill, 1e-9), 1),
+            "total_tok_s": round((n_prompt + n_out) / t_full, 1),
+            "wall_s": round(t_full, 2),
+            "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
+            else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+            "torch": torch.__version__,
+        }
+        if len(kinds) > 1:
+            result[f"prefill_s_over_{first}"] = round(t_prefill / min(times[first]["prefill"]), 3)
+            result[f"wall_s_over_{first}"] = round(t_full / min(times[first]["full"]), 3)
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":
