@@ -8,7 +8,8 @@ import time
 from collections.abc import Sequence
 
 from app.config import EngineConfig
-from app.engine.engine import LLMEngine, RequestOutput
+from app.engine.engine import LLMEngine
+from app.engine.outputs import RequestOutput
 from app.engine.errors import InvalidRequestError
 from app.engine.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ from app.deployments.types import ModelInfo
 from app.deployments.protocol import BadRequestError, CompletionStreamResponse
 from app.deployments.serving import OpenAIServing
 from app.engine.block_hash import hash_request_tokens
-from app.engine.engine import RequestOutput
+from app.engine.outputs import RequestOutput
 
 BLOCK_SIZE = 4
 

@@ -13,8 +13,7 @@ import pytest
 from ray import serve
 
 from app.config import EngineConfig
-from app.engine.engine import resolve_tokenizer
-from app.engine.loader import load_model_config
+from app.engine.model_config import load_model_config, resolve_tokenizer
 from conftest import STORIES_GREEDY, STORIES_MODEL, STORIES_TOKENIZER
 from serve_testing import local_serve, run_apps, wait_until
 
@@ -287,3 +286,22 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(base_url):
     generated = metric(metrics_after, "llm_generation_tokens_total") - metric(metrics_before,
                                                                                "llm_generation_tokens_total")
     assert generated < 7900
+
+
+def test_the_ingress_replica_never_loads_torch(client):
+    """The ingress tokenizes and checks prompts with the model's config and tokenizer alone, so its
+    process never imports torch (seconds of CPU at every start, hundreds of MB per ingress replica);
+    the LLMServer replica beside it does, which shows the check can fail."""
+    import ray
+
+    client.completions.create(model=TINY, prompt="Hello", max_tokens=2)
+    client.chat.completions.create(model=TINY, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "serve"]
+
+    def has_torch(kind: str) -> list[bool]:
+        actors = [ray.get_actor(n, namespace="serve") for n in names if f"#{kind}#" in n]
+        assert actors, (kind, names)
+        return ray.get([a.__ray_call__.remote(lambda self: "torch" in __import__("sys").modules) for a in actors])
+
+    assert all(has_torch("LLMServer"))
+    assert not any(has_torch("OpenAIIngress"))

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 
 from app.config import ServerConfig
 from app.engine.async_engine import AsyncLLMEngine
-from app.engine.engine import RequestOutput
+from app.engine.outputs import RequestOutput
 from app.engine.kv_events import KVEvent
 from app.deployments import logs
 from app.deployments.types import GenerateRequest, ModelInfo

@@ -49,10 +49,11 @@ from app.deployments.protocol import (
     new_id,
 )
 from app.engine.block_hash import hash_request_tokens
-from app.engine.engine import RequestOutput, resolve_tokenizer
+from app.engine.outputs import RequestOutput
+from app.engine.model_config import resolve_tokenizer
 from app.engine.errors import InvalidRequestError
 from app.engine.scheduler import check_prompt_ids, check_request_fits
-from app.engine.loader import load_model_config
+from app.engine.model_config import load_model_config
 from app.engine.sampling_params import SamplingParams
 from app.engine.tokenizer import ChatTemplateError
 

@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Callable, Sequence as Seq
 from dataclasses import dataclass
 
 from app.config import EngineConfig
-from app.engine.engine import LLMEngine, RequestOutput
+from app.engine.engine import LLMEngine
+from app.engine.outputs import RequestOutput
 from app.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError,
                                RequestTimeoutError)
 from app.engine.kv_events import KVEvent

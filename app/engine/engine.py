@@ -8,7 +8,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -16,63 +15,19 @@ from app.config import EngineConfig
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import InvalidRequestError
 from app.engine.executor import Executor, LaunchedStep, LocalExecutor
-from app.engine.gguf_file import is_gguf, resolve_model_name
 from app.engine.kv_cache import KVCacheSpec, kv_bytes_per_token
 from app.engine.kv_cache_manager import KVCacheManager
 from app.engine.kv_events import KVEvent
-from app.engine.loader import DUMMY_MODELS, load_model_config
+from app.engine.model_config import load_model_config, resolve_tokenizer
 from app.engine.model_runner import resolve_dtype
+from app.engine.outputs import RequestMetrics, RequestOutput
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerOutput, check_prompt_ids
 from app.engine.sequence import Sequence, SequenceStatus
-from app.engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_KV_EVENTS = 100_000
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What a request has produced; the delta fields hold what is new since its previous output."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str  # all text so far (cut at a matched stop string)
-    delta_text: str
-    delta_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
-    stop_reason: int | str | None  # the stop string or stop token id that finished it, if any
-    num_cached_tokens: int
-    # Complete lists on the final output only (None before), so streaming stays O(tokens):
-    token_ids: list[int] | None = None
-    logprobs: list[float] | None = None  # when SamplingParams.logprobs is set
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    delta_logprobs: list[float] | None = None
-    delta_top_logprobs: list[list[tuple[int, float]]] | None = None
-    # With SamplingParams.prompt_logprobs, once the whole prompt is computed (the first output
-    # after that, and the final one): per prompt token its log-prob given the ones before (None
-    # for the first) and its N best alternatives.
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    error: str | None = None  # why the request failed (finish_reason "error"); others are unaffected
-    metrics: RequestMetrics | None = None  # on the final output
-    index: int = 0  # which choice of an n > 1 request; each choice finishes on its own
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    """A request's timeline from the engine's own clock (time.perf_counter)."""
-
-    arrival_time: float
-    finished_time: float | None = None
-    token_times: list[float] = field(default_factory=list)  # when each output token was produced
-
-    @property
-    def first_token_time(self) -> float | None:
-        return self.token_times[0] if self.token_times else None
 
 
 @dataclass(slots=True, eq=False)
@@ -102,21 +57,6 @@ class _RequestState:
     error: str | None = None
     request_id: str = ""  # the caller's id (the sequence's own id differs for choices of n > 1)
     index: int = 0
-
-
-def resolve_tokenizer(config: EngineConfig, vocab_size: int) -> Tokenizer:
-    """The tokenizer of config (or of the model); its ids must all exist in the model's vocab."""
-    if config.tokenizer is not None:
-        return load_tokenizer(resolve_model_name(config.tokenizer), vocab_size=vocab_size)
-    model = Path(resolve_model_name(config.model)) if config.model not in DUMMY_MODELS else Path(config.model)
-    if model.is_dir() and (model / "tokenizer.json").exists():
-        return load_tokenizer(str(model), vocab_size=vocab_size)
-    if is_gguf(str(model)):
-        return load_tokenizer(str(model), vocab_size=vocab_size)
-    if config.model in DUMMY_MODELS or config.load_format == "dummy":
-        return load_tokenizer(None, vocab_size=vocab_size)
-    raise ValueError(f"no tokenizer found for model {config.model!r}; pass tokenizer=<path> "
-                     "(a HF directory or tokenizer.json, or a llama2.c tokenizer .bin)")
 
 
 class LLMEngine:

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from app.engine.models.llama import LlamaConfig
+from app.engine.models.config import LlamaConfig
 from app.engine.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
 
 # model names that resolve to a GGUF file installed by a package (never imported: located only)

@@ -19,39 +19,17 @@ generator and then sliced, so every tp_size yields shards of the same full model
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
-import struct
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
-from app.engine.gguf_file import MODEL_PACKAGES, is_gguf, load_gguf, read_gguf_config, resolve_model_name
+from app.engine.gguf_file import load_gguf
+from app.engine.model_config import _LLAMA2C_HEADER, model_source
 from app.engine.models.llama import LlamaConfig, LlamaForCausalLM
-
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
-_LLAMA3_COMMON = dict(vocab_size=128256, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
-                      rope_scaling=_LLAMA3_ROPE, max_position_embeddings=131072, tie_word_embeddings=False,
-                      bos_token_id=128000, eos_token_id=[128001, 128008, 128009])
-
-DUMMY_MODELS: dict[str, LlamaConfig] = {
-    # Embedded default: byte-tokenizer vocab (ids 0..258 used), llama3 rope scaling active
-    # from position 64 on (original_max_position_embeddings=64).
-    "tiny-llama": LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=172, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={**_LLAMA3_ROPE, "original_max_position_embeddings": 64}, max_position_embeddings=4096,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
-    "llama-3.1-8b": LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                num_attention_heads=32, head_dim=128, **_LLAMA3_COMMON),
-    "llama-3.1-70b": LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                 num_attention_heads=64, head_dim=128, **_LLAMA3_COMMON),
-}
 
 LOAD_FORMATS = ("auto", "dummy")
 INIT_STD = 0.02  # linears and embeddings; norms are 1
@@ -72,7 +50,8 @@ def load_model(
     (full) config; see the module docstring."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)} (got {load_format!r})")
-    config, load, path = _resolve(model)
+    config, kind, path = model_source(model)
+    load = {"dummy": None, "safetensors": _load_safetensors_dir, "llama2c": _load_llama2c, "gguf": load_gguf}[kind]
     device = torch.device(device)
     with torch.device("meta"):
         module = LlamaForCausalLM(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
@@ -89,28 +68,6 @@ def load_model(
         else:
             load(module, path)
     return module.eval(), config
-
-
-def load_model_config(model: str) -> LlamaConfig:
-    """The config of `model` (same forms as load_model), without touching its weights."""
-    return _resolve(model)[0]
-
-
-def _resolve(model: str) -> tuple[LlamaConfig, Callable[[LlamaForCausalLM, Path], None] | None, Path]:
-    """(config, function that loads the weights (None for built-in dummies), path of the files)."""
-    if model in DUMMY_MODELS:
-        return dataclasses.replace(DUMMY_MODELS[model]), None, Path(model)  # a copy: callers may edit it
-    path = Path(resolve_model_name(model))
-    if path.is_dir() and (path / "config.json").is_file():
-        return LlamaConfig.from_hf(json.loads((path / "config.json").read_text())), _load_safetensors_dir, path
-    if path.suffix == ".bin" and path.is_file():
-        return read_llama2c_config(path), _load_llama2c, path
-    if is_gguf(str(path)):
-        return read_gguf_config(path), load_gguf, path
-    raise ValueError(
-        f"cannot load model {model!r}: expected one of the built-in names {sorted(DUMMY_MODELS)}, "
-        f"a GGUF model name {sorted(MODEL_PACKAGES)}, a directory containing config.json and *.safetensors, "
-        f"a .gguf file, or a llama2.c checkpoint file ending in .bin")
 
 
 def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
@@ -176,26 +133,6 @@ def check_all_loaded(source: str, params: dict, loaded: set, unexpected: list) -
     if missing or unexpected:
         raise ValueError(f"{source} does not match the Llama config: missing keys {missing}, "
                          f"unexpected keys {sorted(unexpected)}")
-
-
-# llama2.c "v0": 7 int32 header, then fp32 arrays (see shared/models/stories260K/README.md).
-_LLAMA2C_HEADER = struct.Struct("<7i")
-_LLAMA2C_MAGIC = 0x616B3432  # "ak42": the later versioned export formats, not supported
-
-
-def read_llama2c_config(path: Path) -> LlamaConfig:
-    with open(path, "rb") as f:
-        header = f.read(_LLAMA2C_HEADER.size)
-    if len(header) < _LLAMA2C_HEADER.size:
-        raise ValueError(f"{path} is too short to be a llama2.c checkpoint")
-    dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len = _LLAMA2C_HEADER.unpack(header)
-    if dim == _LLAMA2C_MAGIC:
-        raise ValueError(f"{path} is a versioned llama2.c export; only the legacy 'v0' format is supported")
-    return LlamaConfig(
-        vocab_size=abs(vocab_size), hidden_size=dim, intermediate_size=hidden_dim, num_hidden_layers=n_layers,
-        num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, rms_norm_eps=1e-5, rope_theta=10000.0,
-        rope_scaling=None, max_position_embeddings=seq_len, tie_word_embeddings=vocab_size > 0,
-        bos_token_id=1, eos_token_id=2)
 
 
 def interleaved_to_half_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:

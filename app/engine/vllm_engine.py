@@ -36,11 +36,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from app.config import EngineConfig, FP4Config
-from app.engine.engine import RequestMetrics, RequestOutput, resolve_tokenizer
+from app.engine.outputs import RequestMetrics, RequestOutput
+from app.engine.model_config import resolve_tokenizer
 from app.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError,
                                RequestTimeoutError)
 from app.engine.kv_events import KVEvent
-from app.engine.loader import DUMMY_MODELS, load_model_config
+from app.engine.model_config import DUMMY_MODELS, load_model_config
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import check_prompt_ids, check_request_fits
 
