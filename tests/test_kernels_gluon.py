@@ -205,7 +205,11 @@ def test_default_is_the_ring_on_gpu():
     for kv_heads, group in ((1, 8), (8, 4)):
         lens = [4099, 1027]
         table, kp, vp = cuda_fp4_pages(lens, kv_heads, 16, DEFAULT_FP4, seed=kv_heads)
-        query = torch.randn(len(lens), kv_heads * group, 128, device="cuda").bfloat16()
+        # a seeded query: the two summation orders part in only 1-10 of the 2,048-8,192 bf16
+        # outputs, and with unseeded queries every output was equal in 5 of 40 trials on the H200
+        # (the `not equal` below failed one run of the file in five)
+        gen = torch.Generator(device="cuda").manual_seed(100 + kv_heads)
+        query = torch.randn(len(lens), kv_heads * group, 128, device="cuda", generator=gen).bfloat16()
         sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
         default, ring, registers = (
             decode_attention(query, kp, vp, table, sl, 128 ** -0.5, max(lens), DEFAULT_FP4, num_splits=1,
