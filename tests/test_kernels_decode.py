@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from app.kernels.attention_ref import decode_attention_ref
-from app.kernels.decode_attention import _fewest_splits_filling_waves, decode_attention
+from app.kernels.decode_attention import (MIN_SPLIT_TOKENS, _fewest_splits_filling_waves, decode_attention,
+                                          whole_wave_splits)
 from kernels_testing import block_tables, random_pages, rel_err
 
 ODD_LENGTHS = [1, 15, 16, 17, 1025, 1027]
@@ -107,6 +108,21 @@ def test_decode_full_grid(name, group, head_dim, block_size, num_splits):
 def test_fp4_splits_fill_whole_waves(pairs, seq_len, most, splits):
     """528 program slots (132 SMs x 4), 128-token tiles."""
     assert _fewest_splits_filling_waves(pairs, seq_len, 128, most, 528) == splits
+
+
+@pytest.mark.parametrize("pairs,seq_len,splits", [
+    (1, 32768, 128),  # 70B at TP 8, batch 1: 512-token splits would leave 64 programs for 132 SMs
+    (2, 32768, 64),  # batch 2: 128 programs of 512 tokens (the H200 measured 0.0218 ms against 0.0227 for 128 splits)
+    (4, 32768, 64),  # (0.0282 ms against 0.0328)
+    (1, 65536, 128),  # (0.0221 ms against 0.0238 for 256 splits)
+    (8, 8192, 16),  # Llama-3.1-8B batch 1: 128 programs of 512 tokens
+    (256, 32768, 2),  # batch 32: as before, one full wave
+])
+def test_fp4_splits_are_long_where_the_sms_stay_busy(pairs, seq_len, splits):
+    """132 SMs x 4 programs, 64-token tiles (the Gluon kernel's)."""
+    got = whole_wave_splits(pairs, seq_len, 64, 4, 132)
+    assert got == splits
+    assert seq_len // got >= MIN_SPLIT_TOKENS
 
 
 def test_fp4_kernel_agrees_with_the_generic_kernel():

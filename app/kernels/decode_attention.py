@@ -36,6 +36,10 @@ from app.kernels.fp4 import FP4Format
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # fewer tokens per split than this and the merge costs more than it gains
+# The fp4 kernel's splits are at least this long where that still leaves a program for half the SMs:
+# its programs' fixed costs (ring fill, the tile pipeline's latency) make 4-tile splits slower than
+# fewer programs of 8 tiles (bench/RESULTS.md, issue 19's eighth step).
+LONG_SPLIT_TOKENS = 512
 
 
 @triton.jit
@@ -244,12 +248,22 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: t
     the least waves x tokens per split, so that the grid fills whole waves of the SMs' program slots
     (a grid of 1.45 waves lost 16% at Llama-3.1-8B batch 32 in bench/RESULTS.md)."""
     sms = _num_sms(device)
-    most = max(1, min(256, max_seq_len // max(MIN_SPLIT_TOKENS, block_n)))
     if whole_waves:
-        return _fewest_splits_filling_waves(num_seqs * num_kv_heads, max(max_seq_len, 1), block_n, most,
-                                            programs_per_sm * sms)
+        return whole_wave_splits(num_seqs * num_kv_heads, max_seq_len, block_n, programs_per_sm, sms)
+    most = max(1, min(256, max_seq_len // max(MIN_SPLIT_TOKENS, block_n)))
     want = triton.cdiv(programs_per_sm * sms, num_seqs * num_kv_heads)
     return max(1, min(want, most))
+
+
+def whole_wave_splits(pairs: int, max_seq_len: int, block_n: int, programs_per_sm: int, sms: int) -> int:
+    """num_splits_for's whole_waves rule for `pairs` (sequence, KV head) pairs on `sms` SMs: splits of
+    LONG_SPLIT_TOKENS or more where pairs x that many splits is at least half the SMs (MIN_SPLIT_TOKENS
+    otherwise), at most 256, then the fewest that fill whole waves."""
+    shortest = LONG_SPLIT_TOKENS
+    if pairs * max(1, max_seq_len // max(LONG_SPLIT_TOKENS, block_n)) < sms // 2:
+        shortest = MIN_SPLIT_TOKENS
+    most = max(1, min(256, max_seq_len // max(shortest, block_n)))
+    return _fewest_splits_filling_waves(pairs, max(max_seq_len, 1), block_n, most, programs_per_sm * sms)
 
 
 @functools.lru_cache(maxsize=4096)
