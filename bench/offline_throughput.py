@@ -51,10 +51,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     kinds = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
+    if len(kinds) > 1 and args.device.startswith("cuda") and not args.kv_cache_memory:
+        ap.error("several KV formats on a GPU need --kv-cache-memory: an engine sized by free memory would "
+                 "count the earlier engines' caches as used, and the formats would get different budgets")
     extra = {"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {}
     llms = {
         kind: LLM(
@@ -83,6 +88,8 @@ def main() -> None:
     first = kinds[0]
     for kind in kinds:
         t_prefill, t_full = min(times[kind]["prefill"]), min(times[kind]["full"])
+        # decode: a round's full run less the same round's prefill, the best round
+        t_decode = min(f - p for f, p in zip(times[kind]["full"], times[kind]["prefill"]))
         result = {
             "model": args.model,
             "kv_cache_dtype": kind,
@@ -91,9 +98,10 @@ def main() -> None:
             "output_len": args.output_len,
             "rounds": args.rounds,
             "prefill_tok_s": round(n_prompt / t_prefill, 1),
-            "decode_tok_s": round(n_decode / max(t_full - t_prefill, 1e-9), 1),
+            "decode_tok_s": round(n_decode / t_decode, 1) if t_decode > 0 else None,
             "total_tok_s": round((n_prompt + n_out) / t_full, 1),
             "wall_s": round(t_full, 2),
+            "num_kv_blocks": llms[kind].engine.num_kv_blocks,
             "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
             else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
             "torch": torch.__version__,

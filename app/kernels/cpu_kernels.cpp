@@ -988,9 +988,9 @@ inline float group_codes(const float* x, int n, float safe, uint8_t* code) {
     const __m256i signed_ = _mm256_and_si256(_mm256_castps_si256(neg), _mm256_cmpgt_epi32(c, _mm256_setzero_si256()));
     c = _mm256_or_si256(c, _mm256_and_si256(signed_, eight));
     const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c, c), _mm256_setzero_si256());  // bytes 0-3 per lane
-    const uint32_t lo = uint32_t(_mm256_cvtsi256_si32(b)), hi = uint32_t(_mm256_extract_epi32(b, 4));
-    std::memcpy(code + i, &lo, 4);
-    std::memcpy(code + i + 4, &hi, 4);
+    const uint32_t lo32 = uint32_t(_mm256_cvtsi256_si32(b)), hi32 = uint32_t(_mm256_extract_epi32(b, 4));
+    std::memcpy(code + i, &lo32, 4);
+    std::memcpy(code + i + 4, &hi32, 4);
   }
   err = hsum8(acc);
 #endif
