@@ -19,7 +19,7 @@ import kernels as K  # noqa: E402 (bench/kernels.py: cases, pages, timing)
 
 from app.kernels import decode_fp4_gluon  # noqa: E402
 from app.kernels.decode_attention import (  # noqa: E402
-    MIN_SPLIT_TOKENS, _fewest_splits_filling_waves, _num_sms, decode_attention, num_splits_for)
+    MIN_SPLIT_TOKENS, _fewest_splits_filling_waves, _num_sms, decode_attention, most_splits, num_splits_for)
 
 
 def main() -> None:
@@ -40,8 +40,8 @@ def main() -> None:
         ctx, batch = row["ctx"], row["batch"]
         pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, K.FORMATS[0].outliers).programs_per_sm()
         new = num_splits_for(batch, hk, ctx, K.DEV, K.GLUON_TILE, pps, whole_waves=True)
-        most = max(1, min(256, ctx // max(MIN_SPLIT_TOKENS, K.GLUON_TILE)))
-        old = _fewest_splits_filling_waves(batch * hk, ctx, K.GLUON_TILE, most, pps * sms)
+        old = _fewest_splits_filling_waves(batch * hk, ctx, K.GLUON_TILE, most_splits(ctx, K.GLUON_TILE, MIN_SPLIT_TOKENS),
+                                           pps * sms)
         times = {"old": [], "new": []}
         for _ in range(2):
             for name, s in (("old", old), ("new", new)):

@@ -50,10 +50,9 @@ from app.deployments.protocol import (
 )
 from app.engine.block_hash import hash_request_tokens
 from app.engine.outputs import RequestOutput
-from app.engine.model_config import resolve_tokenizer
 from app.engine.errors import InvalidRequestError
 from app.engine.scheduler import check_prompt_ids, check_request_fits
-from app.engine.model_config import load_model_config
+from app.engine.model_config import load_model_config, resolve_tokenizer
 from app.engine.sampling_params import SamplingParams
 from app.engine.tokenizer import ChatTemplateError
 

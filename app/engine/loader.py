@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from app.engine.gguf_file import load_gguf
-from app.engine.model_config import _LLAMA2C_HEADER, model_source
+from app.engine.model_config import LLAMA2C_HEADER, model_source
 from app.engine.models.llama import LlamaConfig, LlamaForCausalLM
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -147,7 +147,7 @@ def _load_llama2c(model: LlamaForCausalLM, path: Path) -> None:
     c = model.config
     dim, hidden, n_layers, vocab = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
     kv_dim, head_dim = c.num_key_value_heads * c.head_dim, c.head_dim
-    data = np.memmap(path, dtype="<f4", mode="r", offset=_LLAMA2C_HEADER.size)
+    data = np.memmap(path, dtype="<f4", mode="r", offset=LLAMA2C_HEADER.size)
     offset = 0
 
     def take(*shape: int) -> np.ndarray:

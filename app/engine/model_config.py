@@ -38,16 +38,16 @@ DUMMY_MODELS: dict[str, LlamaConfig] = {
 }
 
 # llama2.c "v0": 7 int32 header, then fp32 arrays (see shared/models/stories260K/README.md).
-_LLAMA2C_HEADER = struct.Struct("<7i")
+LLAMA2C_HEADER = struct.Struct("<7i")
 _LLAMA2C_MAGIC = 0x616B3432  # "ak42": the later versioned export formats, not supported
 
 
 def read_llama2c_config(path: Path) -> LlamaConfig:
     with open(path, "rb") as f:
-        header = f.read(_LLAMA2C_HEADER.size)
-    if len(header) < _LLAMA2C_HEADER.size:
+        header = f.read(LLAMA2C_HEADER.size)
+    if len(header) < LLAMA2C_HEADER.size:
         raise ValueError(f"{path} is too short to be a llama2.c checkpoint")
-    dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len = _LLAMA2C_HEADER.unpack(header)
+    dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len = LLAMA2C_HEADER.unpack(header)
     if dim == _LLAMA2C_MAGIC:
         raise ValueError(f"{path} is a versioned llama2.c export; only the legacy 'v0' format is supported")
     return LlamaConfig(

@@ -37,11 +37,10 @@ from dataclasses import dataclass, field
 
 from app.config import EngineConfig, FP4Config
 from app.engine.outputs import RequestMetrics, RequestOutput
-from app.engine.model_config import resolve_tokenizer
 from app.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError,
                                RequestTimeoutError)
 from app.engine.kv_events import KVEvent
-from app.engine.model_config import DUMMY_MODELS, load_model_config
+from app.engine.model_config import DUMMY_MODELS, load_model_config, resolve_tokenizer
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import check_prompt_ids, check_request_fits
 

@@ -250,19 +250,23 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: t
     sms = _num_sms(device)
     if whole_waves:
         return whole_wave_splits(num_seqs * num_kv_heads, max_seq_len, block_n, programs_per_sm, sms)
-    most = max(1, min(256, max_seq_len // max(MIN_SPLIT_TOKENS, block_n)))
+    most = most_splits(max_seq_len, block_n, MIN_SPLIT_TOKENS)
     want = triton.cdiv(programs_per_sm * sms, num_seqs * num_kv_heads)
     return max(1, min(want, most))
+
+
+def most_splits(max_seq_len: int, block_n: int, shortest: int) -> int:
+    """The most splits of max_seq_len tokens with none shorter than `shortest` tokens or one tile, at most 256."""
+    return max(1, min(256, max_seq_len // max(shortest, block_n)))
 
 
 def whole_wave_splits(pairs: int, max_seq_len: int, block_n: int, programs_per_sm: int, sms: int) -> int:
     """num_splits_for's whole_waves rule for `pairs` (sequence, KV head) pairs on `sms` SMs: splits of
     LONG_SPLIT_TOKENS or more where pairs x that many splits is at least half the SMs (MIN_SPLIT_TOKENS
     otherwise), at most 256, then the fewest that fill whole waves."""
-    shortest = LONG_SPLIT_TOKENS
-    if pairs * max(1, max_seq_len // max(LONG_SPLIT_TOKENS, block_n)) < sms // 2:
-        shortest = MIN_SPLIT_TOKENS
-    most = max(1, min(256, max_seq_len // max(shortest, block_n)))
+    most = most_splits(max_seq_len, block_n, LONG_SPLIT_TOKENS)
+    if pairs * most < sms // 2:
+        most = most_splits(max_seq_len, block_n, MIN_SPLIT_TOKENS)
     return _fewest_splits_filling_waves(pairs, max(max_seq_len, 1), block_n, most, programs_per_sm * sms)
 
 
