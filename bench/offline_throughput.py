@@ -35,6 +35,16 @@ def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple
     return elapsed, sum(len(o.token_ids) for o in outs)
 
 
+def kv_format(kind: str) -> dict:
+    """LLM arguments of a --kv-cache-dtype entry: 'fp4:6/4' is fp4 with scale_targets (6.0, 4.0)."""
+    dtype, _, targets = kind.partition(":")
+    if not targets:
+        return {"kv_cache_dtype": dtype}
+    if dtype != "fp4":
+        raise SystemExit(f"--kv-cache-dtype {kind}: only fp4 takes scale targets")
+    return {"kv_cache_dtype": "fp4", "fp4": {"scale_targets": tuple(float(t) for t in targets.split("/"))}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-llama")
@@ -42,7 +52,9 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--kv-cache-dtype", default="bf16", help="a KV format, or several, comma-separated")
+    ap.add_argument("--kv-cache-dtype", default="bf16",
+                    help="a KV format, or several, comma-separated; fp4:T1/T2/... is fp4 with those "
+                         "scale_targets (e.g. fp4:6, plain NVFP4 scaling)")
     ap.add_argument("--rounds", type=int, default=1, help="timed rounds per format (the best is reported)")
     ap.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 1GiB (default: the engine's)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -63,9 +75,9 @@ def main() -> None:
     extra = {"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {}
     llms = {
         kind: LLM(
-            model=args.model, tokenizer=args.tokenizer, kv_cache_dtype=kind, device=args.device, dtype=args.dtype,
+            model=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.prompt_len + args.output_len + 1, **extra,
+            max_model_len=args.prompt_len + args.output_len + 1, **kv_format(kind), **extra,
         )
         for kind in kinds
     }

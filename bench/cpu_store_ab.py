@@ -1,0 +1,90 @@
+r"""The CPU fp4 store of this tree against a git revision's, in one process, alternated.
+
+Builds app/kernels/cpu_kernels.cpp as it is at --baseline (git show) beside this tree's extension,
+quantizes the same random K and V (--tokens tokens x 2 KV heads of 64, the peer model's shapes,
+the default KV formats: keys 4 outlier slots, both groups of 32, 4 scale targets) with each, one
+thread, the two builds alternated --rounds times, and reports the best ns per 64-value vector of
+each and their ratio. Both builds' pages must be byte-equal (the script stops otherwise).
+
+    python bench/cpu_store_ab.py --baseline HEAD --tokens 4096 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load as build
+
+from app.engine.kv_cache import DEFAULT_FP4_FORMATS
+from app.kernels import cpu_kernels, fp4
+
+ROOT = Path(__file__).resolve().parent.parent
+H, D = 2, 64
+
+
+def baseline_module(rev: str):
+    src = subprocess.run(["git", "show", f"{rev}:app/kernels/cpu_kernels.cpp"], cwd=ROOT, check=True,
+                         capture_output=True).stdout
+    tmp = Path(tempfile.mkdtemp(prefix="store-ab-"))
+    path = tmp / "cpu_kernels_baseline.cpp"
+    path.write_bytes(src)
+    name = f"app_cpu_kernels_ab_{hashlib.sha1(src).hexdigest()[:12]}"
+    print(f"building {rev}'s extension ({name})", flush=True)
+    return build(name=name, sources=[str(path)], verbose=False,
+                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"])
+
+
+def empty_pages(n: int, fmt: fp4.FP4Format) -> list[torch.Tensor]:
+    g = fmt.group(D)
+    return [torch.zeros(n, 1, H, D // 2, dtype=torch.uint8), torch.zeros(n, 1, H, D // g, dtype=torch.float8_e4m3fn),
+            torch.zeros(n, 1, H, dtype=torch.uint8), torch.zeros(n, 1, H, fmt.outliers, dtype=torch.bfloat16),
+            torch.zeros(n, 1, H, fmt.outliers, dtype=torch.uint8)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", default="HEAD", help="git revision whose cpu_kernels.cpp is the baseline")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    current = cpu_kernels.load()
+    if current is None:
+        sys.exit(f"no CPU kernels extension: {cpu_kernels.problem()}")
+    base = baseline_module(args.baseline)
+    gen = torch.Generator().manual_seed(0)
+    slots = torch.randperm(args.tokens, generator=gen)
+    best: dict[tuple[str, str], float] = {}
+    for side, fmt in zip("KV", DEFAULT_FP4_FORMATS):
+        x = torch.randn(args.tokens, H, D, generator=gen)
+        targets = [float(t) for t in fmt.scale_targets]
+        out = {}
+        for _ in range(args.rounds):
+            for label, mod in (("baseline", base), ("current", current)):
+                pages = empty_pages(args.tokens, fmt)
+                t0 = time.perf_counter()
+                mod.store_fp4(x, slots, pages, fmt.group(D), targets)
+                dt = time.perf_counter() - t0
+                best[side, label] = min(best.get((side, label), float("inf")), dt)
+                out[label] = pages
+        for a, b in zip(out["baseline"], out["current"]):
+            if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                sys.exit(f"{side}: the two builds' pages differ")
+    vectors = args.tokens * H
+    print(f"\n`python bench/cpu_store_ab.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}, one thread\n")
+    print(f"| side | {args.baseline} ns/vector | this tree ns/vector | this tree / {args.baseline} |")
+    print("|---|---|---|---|")
+    for side in "KV":
+        b, c = best[side, "baseline"] / vectors * 1e9, best[side, "current"] / vectors * 1e9
+        print(f"| {side} | {b:.0f} | {c:.0f} | {c / b:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()
