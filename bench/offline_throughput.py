@@ -10,6 +10,8 @@ Several KV formats side by side in one process (`--kv-cache-dtype fp4,bf16 --rou
 per format, the formats' runs alternated (the order reversed every other round), each format's best
 round reported, and its wall time over the first format's. On a noisy host this is the ratio to read;
 separate processes (or servers run one after another) drift apart by more than the formats differ.
+`fp4:T1/T2/...` is fp4 with those scale_targets (`--kv-cache-dtype fp4,fp4:6,bf16`: the default
+search against plain NVFP4 scaling and bf16).
 """
 
 from __future__ import annotations
