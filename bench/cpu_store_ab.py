@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load as build
 
-from app.engine.kv_cache import DEFAULT_FP4_FORMATS
-from app.kernels import cpu_kernels, fp4
+from app.engine.kv_cache import DEFAULT_FP4_FORMATS, KVCacheSpec, create_kv_cache
+from app.kernels import cpu_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
-H, D = 2, 64
+H, D, BS = 2, 64, 16  # the peer model's KV heads and head_dim, the serve config's block size
 
 
 def baseline_module(rev: str):
@@ -37,15 +37,14 @@ def baseline_module(rev: str):
     path.write_bytes(src)
     name = f"app_cpu_kernels_ab_{hashlib.sha1(src).hexdigest()[:12]}"
     print(f"building {rev}'s extension ({name})", flush=True)
-    return build(name=name, sources=[str(path)], verbose=False,
-                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"])
+    return build(name=name, sources=[str(path)], verbose=False, extra_cflags=cpu_kernels.CFLAGS,
+                 extra_ldflags=cpu_kernels.LDFLAGS)
 
 
-def empty_pages(n: int, fmt: fp4.FP4Format) -> list[torch.Tensor]:
-    g = fmt.group(D)
-    return [torch.zeros(n, 1, H, D // 2, dtype=torch.uint8), torch.zeros(n, 1, H, D // g, dtype=torch.float8_e4m3fn),
-            torch.zeros(n, 1, H, dtype=torch.uint8), torch.zeros(n, 1, H, fmt.outliers, dtype=torch.bfloat16),
-            torch.zeros(n, 1, H, fmt.outliers, dtype=torch.uint8)]
+def empty_pages(tokens: int) -> tuple:
+    """One layer's (K pages, V pages) of an empty fp4 KV cache with room for `tokens` tokens."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, compute_dtype=torch.float32)
+    return create_kv_cache("fp4", spec, -(-tokens // BS), "cpu").layer_pages(0)
 
 
 def main() -> None:
@@ -62,13 +61,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     slots = torch.randperm(args.tokens, generator=gen)
     best: dict[tuple[str, str], float] = {}
-    for side, fmt in zip("KV", DEFAULT_FP4_FORMATS):
+    for i, (side, fmt) in enumerate(zip("KV", DEFAULT_FP4_FORMATS)):
         x = torch.randn(args.tokens, H, D, generator=gen)
         targets = [float(t) for t in fmt.scale_targets]
         out = {}
         for _ in range(args.rounds):
             for label, mod in (("baseline", base), ("current", current)):
-                pages = empty_pages(args.tokens, fmt)
+                pages = list(empty_pages(args.tokens)[i])
                 t0 = time.perf_counter()
                 mod.store_fp4(x, slots, pages, fmt.group(D), targets)
                 dt = time.perf_counter() - t0

@@ -41,6 +41,9 @@ _lock = threading.Lock()
 _module = None
 _error: str | None = None
 DENSE, FP8, FP4 = 0, 1, 2
+# The extension's compiler flags (bench/cpu_store_ab.py builds another revision's source with the same).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+LDFLAGS = ["-fopenmp"]
 
 
 def _cpu_flags() -> str:
@@ -72,9 +75,8 @@ def load():
             key = hashlib.sha1(_SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode())
             name = f"app_cpu_kernels_{key.hexdigest()[:12]}"
             logger.info("building the CPU kernels extension %s (once per machine, about a minute)", name)
-            _module = build(name=name, sources=[str(_SOURCE)], verbose=False,
-                            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-                            extra_ldflags=["-fopenmp"])
+            _module = build(name=name, sources=[str(_SOURCE)], verbose=False, extra_cflags=CFLAGS,
+                            extra_ldflags=LDFLAGS)
         except Exception as e:  # no compiler, no ninja, a build error: keep the torch path
             lines = [ln for ln in str(e).splitlines() if ln.strip()] or [""]
             _error = f"{type(e).__name__}: {next((ln for ln in lines if 'error' in ln), lines[-1]).strip()}"
