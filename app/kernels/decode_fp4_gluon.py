@@ -34,7 +34,11 @@ layout-level language), chosen so that nothing moves between threads except the 
   loop has no shared memory and no barrier. 4: a ring of 4 tiles in shared memory that cp.async fills
   2 tiles ahead of the one attended (39 KiB per program); the loop reads its tile from shared memory,
   with one barrier per tile, and attends the partial tile first so that every copy in the loop is
-  unmasked. The ring is the default (measured faster in 27 of 32 rows).
+  unmasked. The ring is the default (measured faster in 27 of 32 rows). Order within a program (ncu
+  on the H200 named what waited): the ring's first copies go out before the query is read, so its
+  loads overlap theirs; in the loop a tile's key outlier gathers (global loads from the transposed
+  query, L1 evict-last) are issued before the next tile's copies and the copies before the softmax
+  and PV product, because gathers queued behind a tile's copies were the loop's most stalled wait.
 - Pages. A warp tile's 16 tokens share a page, so a thread reads one block-table entry per tile
   and layout (three: K, scores, V) and addresses its tokens as base row + r x num_kv_heads.
 
@@ -278,28 +282,32 @@ if AVAILABLE:
         return (blk * BS + n_w % BS) * H + h
 
     @gluon.jit
-    def _key_outliers(s, qt_cols, col_mask, iw, vw0, vw1, mask, GROUP: gl.constexpr, MASKED: gl.constexpr):
-        """s [W, TW, NH] + sum over the 4 slots of out_val x q[head, out_idx] x sm_scale_log2, in float32.
-        iw: the slots' 4 index bytes as one word, vw0/vw1: their bf16 values two per word; qt_cols: the
-        query x sm_scale_log2 transposed [D, GROUP] in float32 at this thread's columns, so one 64-bit
-        load gathers two heads (two 32-bit loads when GROUP is odd)."""
+    def _outlier_queries(qt_cols, col_mask, iw, mask, GROUP: gl.constexpr, MASKED: gl.constexpr):
+        """The query entries the 4 key outlier slots of each token multiply: q[head, out_idx] x
+        sm_scale_log2 [W, TW, NH] float32 per slot, gathered from the query transposed (qt_cols: [D,
+        GROUP] at this thread's columns, so one 64-bit load gathers two heads; two 32-bit loads when
+        GROUP is odd). iw: the slots' 4 index bytes as one word. Issued as soon as a tile's index words
+        are read, before the next tile's copies, so that the gathers do not queue behind them."""
+        EL: gl.constexpr = "evict_last"  # the query stays in L1 while the tiles stream past
         if MASKED:
             m3 = col_mask & gl.expand_dims(mask, 2)
         else:
             m3 = col_mask & gl.expand_dims(mask | True, 2)
-        for pr in gl.static_range(2):
-            if pr == 0:
-                vw = vw0
-            else:
-                vw = vw1
-            for half in gl.static_range(2):
-                idx = (iw >> (8 * (2 * pr + half))) & 255
-                if half == 0:
-                    val = (vw << 16).to(gl.float32, bitcast=True)
-                else:
-                    val = (vw & -65536).to(gl.float32, bitcast=True)
-                qv = gl.load(qt_cols + gl.expand_dims(idx * GROUP, 2), mask=m3, other=0.0)
-                s = s + gl.expand_dims(val, 2) * qv
+        q0 = gl.load(qt_cols + gl.expand_dims((iw & 255) * GROUP, 2), mask=m3, other=0.0, eviction_policy=EL)
+        q1 = gl.load(qt_cols + gl.expand_dims(((iw >> 8) & 255) * GROUP, 2), mask=m3, other=0.0, eviction_policy=EL)
+        q2 = gl.load(qt_cols + gl.expand_dims(((iw >> 16) & 255) * GROUP, 2), mask=m3, other=0.0, eviction_policy=EL)
+        q3 = gl.load(qt_cols + gl.expand_dims(((iw >> 24) & 255) * GROUP, 2), mask=m3, other=0.0, eviction_policy=EL)
+        return q0, q1, q2, q3
+
+    @gluon.jit
+    def _key_outliers(s, qo, vw0, vw1):
+        """s [W, TW, NH] + sum over the 4 slots of out_val x q[head, out_idx] x sm_scale_log2, in float32;
+        qo: _outlier_queries' gathers, vw0/vw1: the slots' bf16 values two per word."""
+        q0, q1, q2, q3 = qo
+        s = s + gl.expand_dims((vw0 << 16).to(gl.float32, bitcast=True), 2) * q0
+        s = s + gl.expand_dims((vw0 & -65536).to(gl.float32, bitcast=True), 2) * q1
+        s = s + gl.expand_dims((vw1 << 16).to(gl.float32, bitcast=True), 2) * q2
+        s = s + gl.expand_dims((vw1 & -65536).to(gl.float32, bitcast=True), 2) * q3
         return s
 
     @gluon.jit
@@ -433,18 +441,22 @@ if AVAILABLE:
         return kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb
 
     @gluon.jit
-    def _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, tile, w_s, r_s, n_s3, sm_scale_log2, GROUP: gl.constexpr,
+    def _attend_tile(n0, end, m_i, l_i, acc, qt, qo, tile, w_s, r_s, sm_scale_log2, GROUP: gl.constexpr,
                      TW: gl.constexpr, K_KO: gl.constexpr, MASKED: gl.constexpr, A_OP: gl.constexpr,
                      B_OP: gl.constexpr, F16: gl.constexpr):
         """One tile (_load_tile's registers): tokens n0 + TW w + r for each warp w, its own online softmax
         state (m_i [W, NH], per-thread partial sums l_i [W, TW, NH], O^T acc [W, D, NH]). MASKED: tokens
-        at or past `end` may be in the tile (the partial one), else every score is taken as is.
-        sm_scale_log2: the factor the unpacked keys and qt leave out of the scores (F16: [W, 1], qt being
-        in fp16 scaled per warp). F16: m_i is the running max of score + log2 of the token's value
-        factor, see below."""
+        at or past `end` may be in the tile (the partial one), else every score is taken as is. qo: the
+        tile's _outlier_queries (K_KO = 4). sm_scale_log2: the factor the unpacked keys and qt leave out of
+        the scores (F16: including 1 / the power of two qt carries). F16: m_i is the running max of score +
+        log2 of the token's value factor, see _tile_update."""
+        s = _tile_scores(qt, qo, tile, l_i, sm_scale_log2, K_KO, A_OP, F16)
+        return _tile_update(n0, end, m_i, l_i, acc, s, tile, w_s, r_s, TW, MASKED, A_OP, B_OP, F16)
+
+    @gluon.jit
+    def _tile_scores(qt, qo, tile, l_i, sm_scale_log2, K_KO: gl.constexpr, A_OP: gl.constexpr, F16: gl.constexpr):
+        """_attend_tile's first half: the tile's scores S^T = K Q^T x the keys' factors, outliers added."""
         kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = tile
-        ms = n0 + TW * w_s + r_s < end  # [W, TW]
-        # K -> S^T = K Q^T
         if F16:
             ka = gl.convert_layout(_unpack_k(kc, f16_scales(ks, ks), True), A_OP, assert_trivial=True)
         else:
@@ -453,7 +465,15 @@ if AVAILABLE:
         fk = _pow2_scale(ek) * sm_scale_log2
         s = s * gl.expand_dims(fk, 2)
         if K_KO == 4:
-            s = _key_outliers(s, qt_cols, n_s3 < GROUP, iw, vw0, vw1, ms, GROUP, MASKED)
+            s = _key_outliers(s, qo, vw0, vw1)
+        return s
+
+    @gluon.jit
+    def _tile_update(n0, end, m_i, l_i, acc, s, tile, w_s, r_s, TW: gl.constexpr, MASKED: gl.constexpr,
+                     A_OP: gl.constexpr, B_OP: gl.constexpr, F16: gl.constexpr):
+        """_attend_tile's second half: the online softmax over the scores s and O^T += V^T P^T."""
+        kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = tile
+        ms = n0 + TW * w_s + r_s < end  # [W, TW]
         if F16:
             # V^T in fp16 is value x 2^-6 x scale (exact), so a token's probability goes to the MMA as
             # p x 2^(scale_exp - 121) in fp16, and fp16's range holds that only near 1: the exponent joins the
@@ -512,45 +532,9 @@ if AVAILABLE:
         bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
         q_base = q_ptr + b.to(gl.int64) * stride_q_seq + (h * GROUP) * stride_q_head
         qt_base = qt_ptr + (b * H + h).to(gl.int64) * (D * GROUP)  # query x sm_scale_log2 transposed, [D, GROUP]
-        if K_KO > 0:
-            # The key outlier slots gather q[head, idx] for two heads with one 64-bit load from the query
-            # transposed. Every program of this (sequence, KV head) writes the same float32 values to its
-            # slot of the scratch buffer; the barrier makes this program's writes visible to its warps.
-            QL: gl.constexpr = gl.BlockedLayout([1, NH], [32, 1], [WN, 1], [1, 0])
-            dq = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, QL)), 1)
-            nq2 = gl.expand_dims(gl.arange(0, NH, layout=gl.SliceLayout(0, QL)), 0)
-            qm = (nq2 < GROUP) & (dq >= 0)
-            qv = gl.load(q_base + nq2 * stride_q_head + dq, mask=qm, other=0.0).to(gl.float32)
-            gl.store(qt_base + dq * GROUP + nq2, qv * sm_scale_log2, mask=qm)
-            _barrier()
-
-        # Q^T [WN, 128, NH] as the B operand, k permuted as _unpack_k's: dim = 32 t + 4 j + 2 x + hh
-        kq = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
-        nq = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_OP)))
-        dim_k = 32 * ((kq >> 1) & 3) + 4 * (kq >> 4) + 2 * (kq & 1) + ((kq >> 3) & 1)
-        q_off = gl.expand_dims(gl.expand_dims(dim_k, 0), 2) + gl.expand_dims(gl.expand_dims(nq * stride_q_head, 0), 1)
-        q_mask = gl.expand_dims(gl.expand_dims(nq < GROUP, 0), 1)
-        wq = gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_OP)))
-        q_off = q_off + gl.expand_dims(gl.expand_dims(wq * 0, 1), 2)
-        qf = gl.load(q_base + q_off, mask=q_mask & (q_off >= 0), other=0.0)
-        S_ROW: gl.constexpr = gl.SliceLayout(2, MMA)  # [WN, TW] rows of S^T
-        if F16:
-            # fp16 (11 significant bits, bf16's 8 exact) with a power of two F per warp (each warp holds the
-            # whole query) that brings the largest element to [2^13, 2^14): no overflow, nothing below
-            # fp16's normal range but elements 2^-27 of the largest
-            qf = qf.to(gl.float32)
-            amax = gl.max(gl.max(gl.abs(qf), 2), 1)  # [WN], within each warp
-            f = (gl.minimum(gl.maximum(267 - (amax.to(gl.int32, bitcast=True) >> 23), 1), 254) << 23).to(
-                gl.float32, bitcast=True)  # 2^(13 - floor(log2 amax))
-            qt = (qf * gl.expand_dims(gl.expand_dims(f, 1), 2)).to(gl.float16)
-            # the keys come out as value x 2^-6 x scale, _pow2_scale leaves 2^8 out: 2^(6 - 8) / F
-            k_factor = gl.expand_dims(gl.convert_layout(sm_scale_log2 * 0.25 / f, gl.SliceLayout(1, S_ROW),
-                                                        assert_trivial=True), 1)
-        else:
-            qt = qf.to(gl.bfloat16)
-            k_factor = sm_scale_log2
 
         # index vectors in each layout
+        S_ROW: gl.constexpr = gl.SliceLayout(2, MMA)  # [WN, TW] rows of S^T
         w_s = gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, S_ROW)), 1)
         r_s = gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, S_ROW)), 0)
         n_s = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
@@ -569,29 +553,17 @@ if AVAILABLE:
         g_v = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VL3))), 0), 1)
         b_v = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, V_LOAD))))
         b_v = gl.expand_dims(gl.expand_dims(gl.expand_dims(b_v, 0), 1), 2)  # [1, 1, 1, 2] words
-
         off_kc = gl.expand_dims(r_k * (H * (D // 8)) + 4 * t_k, 3) + b_k  # [1, TW, 4, 4] words within a tile
         off_vc = gl.expand_dims(2 * p_v * (H * (D // 8)) + 2 * g_v, 3) + b_v  # token 2 pair, bytes 8g.. (words)
-        m_i = gl.full([WN, NH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
-        l_i = gl.zeros([WN, TW, NH], gl.float32, layout=MMA)  # per-thread partial sums, reduced at the end
-        acc = gl.zeros([WN, D, NH], gl.float32, layout=MMA)  # O^T per warp
         tile = WN * TW
         full_end = start + (gl.maximum(end - start, 0) // tile) * tile
         pages = (k0, k1, k2, k3, k4, v0, v1, v2)
-        if STAGES == 0:  # loads straight into registers, where they are used
-            off_ks = r_k * (H * NG) + t_k  # group t of 4
-            off_vs = 2 * p_v * (H * NG) + g_v // 2
-            lidx = (w_k, r_k, w_s, r_s, w_v, p_v, off_kc, off_ks, off_vc, off_vs)
-            for n0 in range(start, full_end, tile):  # whole tiles: no masks
-                data = _load_tile(n0, end, bt_row, h, pages, lidx, BS, H, TW, K_KO, OFF64, False)
-                m_i, l_i, acc = _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, data, w_s, r_s, n_s3, k_factor,
-                                             GROUP, TW, K_KO, False, A_OP, B_OP, F16)
-            if full_end < end:  # the last, partial tile
-                data = _load_tile(full_end, end, bt_row, h, pages, lidx, BS, H, TW, K_KO, OFF64, True)
-                m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qt_cols, data, w_s, r_s, n_s3,
-                                             k_factor, GROUP, TW, K_KO, True, A_OP, B_OP, F16)
-        else:  # a ring of STAGES tiles in shared memory, filled by cp.async STAGES - 2 tiles ahead
-            # unswizzled, row-major, each stage's layout (the leading dim is the stage)
+
+        if STAGES > 0:
+            # The ring's first copies go out before the query is read: at small batch a program is a
+            # chain of memory round trips (sequence length, block table, pages), and the query's own
+            # loads and reductions below now overlap the pages' flight instead of preceding it.
+            # Unswizzled, row-major, each stage's layout (the leading dim is the stage).
             SL3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
             SL4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
             SL5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
@@ -631,12 +603,69 @@ if AVAILABLE:
                         _issue_tile(bufs, j, start + (j - has_part) * tile, end, bt_row, h, pages, cidx, BS, H, TW,
                                     K_KO, OFF64, False)
                 _commit_group()
+
+        # The query, loaded once as [D, heads] (a thread per dimension, coalesced). The key outlier slots
+        # gather q[head, idx] for two heads with one 64-bit load from the query transposed: every program
+        # of this (sequence, KV head) writes the same float32 values to its slot of the scratch buffer, and
+        # the barrier makes this program's writes visible to its warps.
+        QL: gl.constexpr = gl.BlockedLayout([1, NH], [32, 1], [WN, 1], [1, 0])
+        dq = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, QL)), 1)
+        nq2 = gl.expand_dims(gl.arange(0, NH, layout=gl.SliceLayout(0, QL)), 0)
+        qm = (nq2 < GROUP) & (dq >= 0)
+        qv = gl.load(q_base + nq2 * stride_q_head + dq, mask=qm, other=0.0).to(gl.float32)
+        if K_KO > 0:
+            gl.store(qt_base + dq * GROUP + nq2, qv * sm_scale_log2, mask=qm)
+            _barrier()
+        # Q^T [WN, 128, NH] as the B operand, k permuted as _unpack_k's: dim = 32 t + 4 j + 2 x + hh
+        kq = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
+        nq = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_OP)))
+        dim_k = 32 * ((kq >> 1) & 3) + 4 * (kq >> 4) + 2 * (kq & 1) + ((kq >> 3) & 1)
+        q_off = gl.expand_dims(gl.expand_dims(dim_k, 0), 2) + gl.expand_dims(gl.expand_dims(nq * stride_q_head, 0), 1)
+        q_mask = gl.expand_dims(gl.expand_dims(nq < GROUP, 0), 1)
+        wq = gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_OP)))
+        q_off = q_off + gl.expand_dims(gl.expand_dims(wq * 0, 1), 2)
+        qf = gl.load(q_base + q_off, mask=q_mask & (q_off >= 0), other=0.0)
+        if F16:
+            # fp16 (11 significant bits, bf16's 8 exact) with a power of two F that brings the largest
+            # element to [2^13, 2^14): no overflow, nothing below fp16's normal range but elements 2^-27 of
+            # the largest. The largest comes from the [D, heads] load (one value per thread, a few
+            # shuffles), not from the B operand, where every warp holds the whole query.
+            amax = gl.max(gl.max(gl.abs(qv), 1), 0)
+            f = (gl.minimum(gl.maximum(267 - (amax.to(gl.int32, bitcast=True) >> 23), 1), 254) << 23).to(
+                gl.float32, bitcast=True)  # 2^(13 - floor(log2 amax))
+            qt = (qf.to(gl.float32) * f).to(gl.float16)
+            # the keys come out as value x 2^-6 x scale, _pow2_scale leaves 2^8 out: 2^(6 - 8) / F
+            k_factor = sm_scale_log2 * 0.25 / f
+        else:
+            qt = qf.to(gl.bfloat16)
+            k_factor = sm_scale_log2
+
+        m_i = gl.full([WN, NH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+        l_i = gl.zeros([WN, TW, NH], gl.float32, layout=MMA)  # per-thread partial sums, reduced at the end
+        acc = gl.zeros([WN, D, NH], gl.float32, layout=MMA)  # O^T per warp
+        col_mask = n_s3 < GROUP
+        if STAGES == 0:  # loads straight into registers, where they are used
+            off_ks = r_k * (H * NG) + t_k  # group t of 4
+            off_vs = 2 * p_v * (H * NG) + g_v // 2
+            lidx = (w_k, r_k, w_s, r_s, w_v, p_v, off_kc, off_ks, off_vc, off_vs)
+            for n0 in range(start, full_end, tile):  # whole tiles: no masks
+                data = _load_tile(n0, end, bt_row, h, pages, lidx, BS, H, TW, K_KO, OFF64, False)
+                qo = _outlier_queries(qt_cols, col_mask, data[3], r_s >= 0, GROUP, False)
+                m_i, l_i, acc = _attend_tile(n0, end, m_i, l_i, acc, qt, qo, data, w_s, r_s, k_factor,
+                                             GROUP, TW, K_KO, False, A_OP, B_OP, F16)
+            if full_end < end:  # the last, partial tile
+                data = _load_tile(full_end, end, bt_row, h, pages, lidx, BS, H, TW, K_KO, OFF64, True)
+                qo = _outlier_queries(qt_cols, col_mask, data[3], full_end + TW * w_s + r_s < end, GROUP, True)
+                m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qo, data, w_s, r_s, k_factor,
+                                             GROUP, TW, K_KO, True, A_OP, B_OP, F16)
+        else:
             if has_part > 0:
                 _wait_group(STAGES - 2)  # tile 0 has landed
                 _barrier()  # ... for every thread
                 data = _read_tile(bufs, 0, shifts, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, K_KO)
-                m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qt_cols, data, w_s, r_s, n_s3,
-                                             k_factor, GROUP, TW, K_KO, True, A_OP, B_OP, F16)
+                qo = _outlier_queries(qt_cols, col_mask, data[3], full_end + TW * w_s + r_s < end, GROUP, True)
+                m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qo, data, w_s, r_s, k_factor,
+                                             GROUP, TW, K_KO, True, A_OP, B_OP, F16)
                 if STAGES - 1 < n_tiles:  # tile STAGES - 1 into stage STAGES - 1
                     _issue_tile(bufs, STAGES - 1, start + (STAGES - 2) * tile, end, bt_row, h, pages, cidx, BS, H,
                                 TW, K_KO, OFF64, False)
@@ -646,12 +675,16 @@ if AVAILABLE:
                 _barrier()  # ... for every thread, and every thread is done with tile k - 1's stage
                 data = _read_tile(bufs, k % STAGES, shifts, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, K_KO)
                 n0 = start + (k - has_part) * tile
-                m_i, l_i, acc = _attend_tile(n0, end, m_i, l_i, acc, qt, qt_cols, data, w_s, r_s, n_s3,
-                                             k_factor, GROUP, TW, K_KO, False, A_OP, B_OP, F16)
-                if k + STAGES - 1 < n_tiles:  # into the stage tile k - 1 used
+                # the outlier gathers first, then the copy of tile k + STAGES - 1 (into the stage tile k - 1
+                # used), then the tile's work: gathers issued after a tile's copies waited behind them
+                # (the first use of a gather was the loop's most stalled instruction, ncu)
+                qo = _outlier_queries(qt_cols, col_mask, data[3], r_s >= 0, GROUP, False)
+                s = _tile_scores(qt, qo, data, l_i, k_factor, K_KO, A_OP, F16)
+                if k + STAGES - 1 < n_tiles:
                     _issue_tile(bufs, (k + STAGES - 1) % STAGES, n0 + (STAGES - 1) * tile, end, bt_row, h, pages,
                                 cidx, BS, H, TW, K_KO, OFF64, False)
                 _commit_group()
+                m_i, l_i, acc = _tile_update(n0, end, m_i, l_i, acc, s, data, w_s, r_s, TW, False, A_OP, B_OP, F16)
             _wait_group(0)
 
         # merge the warps' states

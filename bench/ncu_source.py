@@ -1,0 +1,98 @@
+"""Summarize Nsight Compute's per-instruction (source page) counters of one kernel: where warps wait.
+
+On the GPU machine (bench/profile_decode.py runs one decode a few times):
+
+    ncu --clock-control none --kernel-name regex:gluon --launch-skip 2 --launch-count 1 \
+        --section SourceCounters --section WarpStateStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis_Tables --section Occupancy --section LaunchStats \
+        --section SpeedOfLight --import-source no -o prof -f \
+        python3 bench/profile_decode.py --model 8B --ctx 32768 --batch 32
+    ncu -i prof.ncu-rep --page source --csv --print-source sass > prof.csv
+
+then anywhere: python bench/ncu_source.py prof.csv [--top 25]
+
+Prints the stall reasons over all samples, the share of samples before, inside and after the main
+loop (the largest backward branch), the instructions with the most samples and their main reasons,
+and the global and shared accesses by sectors / wavefronts with their ideal fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import re
+
+
+def number(x: str) -> float:
+    try:
+        return float(x.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def read(path: str) -> tuple[list[str], list[dict]]:
+    rows = list(csv.reader(open(path)))
+    head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    header = rows[head]
+    return header, [dict(zip(header, r)) for r in rows[head + 1:] if len(r) >= len(header) - 1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("csv")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    header, data = read(args.csv)
+    samples = "Warp Stall Sampling (All Samples)"
+    stalls = [k for k in header if k.startswith("stall_") and "Not Issued" not in k]
+    total = sum(number(d[samples]) for d in data) or 1.0
+    print(f"{len(data)} instructions, {total:.0f} samples")
+    by_reason = {k: sum(number(d[k]) for d in data) for k in stalls}
+    for k, v in sorted(by_reason.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {k[6:]:20s} {100 * v / total:5.1f}%")
+
+    addr = [int(d["Address"], 16) for d in data]
+    loops = []
+    for i, d in enumerate(data):
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", d["Source"])
+        if m and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
+            j = addr.index(int(m.group(1), 16))
+            loops.append((i - j, j, i))
+    if loops:
+        _, j, i = max(loops)
+        part = [sum(number(d[samples]) for d in seg) for seg in (data[:j], data[j:i + 1], data[i + 1:])]
+        print(f"main loop: {i - j + 1} instructions; samples before {100 * part[0] / total:.1f}%, "
+              f"in {100 * part[1] / total:.1f}%, after {100 * part[2] / total:.1f}%")
+
+    by_op = collections.Counter()
+    for d in data:
+        words = d["Source"].split()
+        if words:
+            op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+            by_op[op.split(".")[0]] += number(d[samples])
+    print("samples by opcode: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in by_op.most_common(12)))
+
+    print(f"top {args.top} instructions (share of samples, main reasons):")
+    for d in sorted(data, key=lambda d: -number(d[samples]))[:args.top]:
+        s = number(d[samples])
+        reasons = sorted(((k[6:], number(d[k])) for k in stalls), key=lambda kv: -kv[1])[:2]
+        why = ", ".join(f"{k} {100 * v / max(s, 1):.0f}%" for k, v in reasons if v)
+        print(f"  {100 * s / total:5.2f}%  {d['Address'][-5:]}  {d['Source'].strip()[:64]:64s} {why}")
+
+    for title, col, ideal, excess in (
+            ("global accesses: share of L2 sectors, ideal fraction", "L2 Theoretical Sectors Global",
+             "L2 Theoretical Sectors Global Ideal", None),
+            ("shared accesses: share of wavefronts, excess fraction", "L1 Wavefronts Shared", None,
+             "L1 Wavefronts Shared Excessive")):
+        rows = [d for d in data if number(d.get(col, "0")) > 0]
+        t = sum(number(d[col]) for d in rows) or 1.0
+        print(f"{title} (total {t:.0f}):")
+        for d in sorted(rows, key=lambda d: -number(d[col]))[:12]:
+            n = number(d[col])
+            frac = number(d[ideal]) / n if ideal else number(d[excess]) / n
+            print(f"  {100 * n / t:5.1f}%  {frac:.2f}  {d['Source'].strip()[:60]}")
+
+
+if __name__ == "__main__":
+    main()
