@@ -6,9 +6,9 @@ Triton compiles for a target it is given, and its wheel carries ptxas and cuobjd
 machine code of a kernel can be read without a GPU (Gluon kernels too). For each decode kernel
 and shape this prints registers and stack (spill) bytes per thread and the instructions of the
 main loop (the largest backward branch), per thread and per (token, KV head): loop instructions x
-warps / tokens per tile, the figure to hold against the ~36 warp instructions per (token, KV head)
-that streaming fp4's 150 bytes at the copy rate leaves (4 issue slots per cycle per SM,
-bench/RESULTS.md). Compile with the Triton the GPU machine runs (3.6 there: pip install --target
+warps / tokens per loop iteration (tiles per iteration x tokens per tile), the figure to hold
+against the ~36 warp instructions per (token, KV head) that streaming fp4's 150 bytes at the copy
+rate leaves (4 issue slots per cycle per SM, bench/RESULTS.md). Compile with the Triton the GPU machine runs (3.6 there: pip install --target
 DIR triton==3.6.0, then --triton-path DIR); other versions give other code.
 """
 
@@ -101,26 +101,27 @@ def main() -> None:
     gluon_sig = dict(SIG, qt_ptr="*fp32")
     gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, "STAGES": decode_fp4_gluon.STAGES,
                   "F16": True, **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default
-    # (name, kernel, signature, constexprs, warps, stages, maxnreg, tokens per tile)
+    # (name, kernel, signature, constexprs, warps, stages, maxnreg, tokens per tile, tiles per loop iteration:
+    # the Gluon ring's loop is unrolled over an even and an odd tile)
     cases = [
         ("Gluon fp4 kernel (cp.async ring)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig, gluon_args, 4, 1,
-         None, 64),
+         None, 64, 2),
         ("Gluon fp4 kernel, no key slots, one split", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
-         dict(gluon_args, K_KO=0, SPLIT=False), 4, 1, None, 64),
+         dict(gluon_args, K_KO=0, SPLIT=False), 4, 1, None, 64, 2),
         ("Gluon fp4 kernel, loads into registers", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
-         dict(gluon_args, STAGES=0), 4, 1, None, 64),
+         dict(gluon_args, STAGES=0), 4, 1, None, 64, 1),
         ("Gluon fp4 kernel, the engine's int64 tables and lengths", decode_fp4_gluon._decode_fp4_gluon_kernel,
-         dict(gluon_sig, block_tables_ptr="*i64", seq_lens_ptr="*i64"), gluon_args, 4, 1, None, 64),
+         dict(gluon_sig, block_tables_ptr="*i64", seq_lens_ptr="*i64"), gluon_args, 4, 1, None, 64, 2),
         ("Gluon fp4 kernel, bf16 MMAs (fp16=False)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
-         dict(gluon_args, F16=False), 4, 1, None, 64),
-        ("Triton fp4 kernel (128 regs, 1 stage)", _decode_fp4_kernel, SIG, fp4_args, 4, 1, 128, 128),
-        ("fp4 kernel, registers uncapped, 2 stages", _decode_fp4_kernel, SIG, fp4_args, 4, 2, None, 128),
-        ("generic kernel on fp4 pages (before)", _decode_kernel, SIG, generic_fp4, 4, 2, None, 128),
-        ("generic kernel on bf16 pages", _decode_kernel, dense_sig, dense, 4, 2, None, 64),
+         dict(gluon_args, F16=False), 4, 1, None, 64, 2),
+        ("Triton fp4 kernel (128 regs, 1 stage)", _decode_fp4_kernel, SIG, fp4_args, 4, 1, 128, 128, 1),
+        ("fp4 kernel, registers uncapped, 2 stages", _decode_fp4_kernel, SIG, fp4_args, 4, 2, None, 128, 1),
+        ("generic kernel on fp4 pages (before)", _decode_kernel, SIG, generic_fp4, 4, 2, None, 128, 1),
+        ("generic kernel on bf16 pages", _decode_kernel, dense_sig, dense, 4, 2, None, 64, 1),
     ]
     with tempfile.TemporaryDirectory() as tmp:
         for model, (heads, group) in SHAPES.items():
-            for name, fn, sig, extra, warps, stages, maxnreg, block_n in cases:
+            for name, fn, sig, extra, warps, stages, maxnreg, block_n, tiles in cases:
                 if args.only and args.only not in name:
                     continue
                 const = dict(common, H=heads, GROUP=group, GP=16, BLOCK_N=block_n, **extra)
@@ -131,14 +132,16 @@ def main() -> None:
                 regs = re.search(r"REG:(\d+)", res).group(1)
                 stack = re.search(r"STACK:(\d+)", res).group(1)
                 counts = collections.Counter(ops)
+                per_token_head = len(ops) * warps / (block_n * tiles)
                 if args.json:
                     print(json.dumps({"model": model, "kernel": name, "regs": int(regs), "stack": int(stack),
-                                      "loop": len(ops), "per_token_head": len(ops) * warps / block_n,
+                                      "loop": len(ops), "tiles": tiles, "per_token_head": per_token_head,
                                       "ops": dict(counts)}), flush=True)
                     continue
                 top = ", ".join(f"{op} {n}" for op, n in counts.most_common(8))
-                print(f"{model:8s} {name:42s} regs {regs:>3s} stack {stack:>3s} | loop {len(ops):5d} / thread, "
-                      f"{len(ops) * warps / block_n:5.1f} / (token, KV head) | {top}", flush=True)
+                print(f"{model:8s} {name:42s} regs {regs:>3s} stack {stack:>3s} | loop {len(ops):5d} / thread "
+                      f"({tiles} tile{'s' if tiles > 1 else ''}), {per_token_head:5.1f} / (token, KV head) | {top}",
+                      flush=True)
 
 
 if __name__ == "__main__":

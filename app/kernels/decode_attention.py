@@ -307,7 +307,7 @@ def decode_attention(
     it; fp4_kernel: True/False forces fp4 pages through _decode_fp4_kernel/_decode_kernel (tests and
     the benchmark's baselines); precise_pv and asm=False exist only in the Triton kernels and select
     them. num_stages: for the Gluon kernel, 0 (loads into registers) or the tiles of its cp.async
-    ring, a power of two >= 2 (None: decode_fp4_gluon.STAGES; other values raise ValueError); for
+    ring, a power of two >= 4 (None: decode_fp4_gluon.STAGES; other values raise ValueError); for
     the Triton kernels, the software-pipeline depth (None: 2, and for fp4 pages 1 once batch x KV
     heads >= 8). Triton
     kernels only: block_n: tokens per tile (None: 128 for fp4 pages, 64 otherwise, the fastest in

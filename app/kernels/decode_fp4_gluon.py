@@ -34,8 +34,11 @@ layout-level language), chosen so that nothing moves between threads except the 
   loop has no shared memory and no barrier. 4: a ring of 4 tiles in shared memory that cp.async fills
   2 tiles ahead of the one attended (39 KiB per program); the loop reads its tile from shared memory,
   with one barrier per tile, and attends the partial tile first so that every copy in the loop is
-  unmasked. The ring is the default (measured faster in 27 of 32 rows). Order within a program (ncu
-  on the H200 named what waited): the ring's first copies go out before the query is read, so its
+  unmasked. The ring is the default (measured faster in 27 of 32 rows). It is two allocations (even
+  and odd tiles, STAGES / 2 each) and the loop is unrolled over an even and an odd tile, so a tile's
+  reads and the copies issued beside them touch different allocations: with one allocation indexed
+  by a dynamic stage the compiler added a second barrier per tile before the copies. Order within a
+  program (ncu on the H200 named what waited): the ring's first copies go out before the query is read, so its
   loads overlap theirs; in the loop a tile's key outlier gathers (global loads from the transposed
   query, L1 evict-last) are issued before the next tile's copies and the copies before the softmax
   and PV product, because gathers queued behind a tile's copies were the loop's most stalled wait.
@@ -508,6 +511,54 @@ if AVAILABLE:
         return m_new, l_i, acc
 
     @gluon.jit
+    def _ring_set(NS: gl.constexpr, WN: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr):
+        """One of the ring's two allocations: NS stages of a tile's arrays, unswizzled and row-major (the
+        leading dim is the stage), as the tuple _issue_tile and _read_tile take."""
+        SL3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        SL4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+        SL5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
+        bkc = gl.allocate_shared_memory(gl.int32, [NS, WN, TW, 4, 4], SL5)
+        bks = gl.allocate_shared_memory(gl.int32, [NS, WN, TW], SL3)
+        bek = gl.allocate_shared_memory(gl.int32, [NS, WN, TW], SL3)
+        if K_KO == 4:
+            biw = gl.allocate_shared_memory(gl.int32, [NS, WN, TW], SL3)
+            bvw = gl.allocate_shared_memory(gl.int32, [NS, WN, TW, 2], SL4)
+        else:  # never read
+            biw = bek
+            bvw = bek
+        bev = gl.allocate_shared_memory(gl.int32, [NS, WN, TW], SL3)
+        bca = gl.allocate_shared_memory(gl.int32, [NS, WN, TW // 2, 8, 2], SL5)
+        bcb = gl.allocate_shared_memory(gl.int32, [NS, WN, TW // 2, 8, 2], SL5)
+        bsv = gl.allocate_shared_memory(gl.int32, [NS, WN, TW], SL3)
+        return (bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv)
+
+    @gluon.jit
+    def _ring_step(j, m_i, l_i, acc, read_set, write_set, step, BS: gl.constexpr, H: gl.constexpr,
+                   GROUP: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr,
+                   STAGES: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, S_ROW: gl.constexpr,
+                   S_ROW2: gl.constexpr, V_SCALE2: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
+                   F16: gl.constexpr):
+        """Whole tile j of the ring (in read_set; the tile STAGES - 1 ahead goes to write_set, the other
+        allocation): wait for it, read it, issue its outlier gathers, its scores, then the copy ahead,
+        then softmax and PV. Gathers issued after a tile's copies waited behind them (the first use of a
+        gather was the loop's most stalled instruction, ncu)."""
+        start, end, n_whole, bt_row, h, pages, cidx, shifts, qt, qt_cols, col_mask, w_s, r_s, k_factor = step
+        NS: gl.constexpr = STAGES // 2
+        tile = 4 * TW
+        _wait_group(STAGES - 2)  # tile j has landed
+        _barrier()  # ... for every thread, and every thread is done with the stage the copy below refills
+        data = _read_tile(read_set, (j // 2) % NS, shifts, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, K_KO)
+        n0 = start + j * tile
+        qo = _outlier_queries(qt_cols, col_mask, data[3], r_s >= 0, GROUP, False)
+        s = _tile_scores(qt, qo, data, l_i, k_factor, K_KO, A_OP, F16)
+        ahead = j + STAGES - 1
+        if ahead < n_whole:
+            _issue_tile(write_set, (ahead // 2) % NS, n0 + (STAGES - 1) * tile, end, bt_row, h, pages, cidx, BS, H,
+                        TW, K_KO, OFF64, False)
+        _commit_group()
+        return _tile_update(n0, end, m_i, l_i, acc, s, data, w_s, r_s, TW, False, A_OP, B_OP, F16)
+
+    @gluon.jit
     def _decode_fp4_gluon_kernel(
         q_ptr, qt_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         k0, k1, k2, k3, k4, v0, v1, v2,
@@ -563,24 +614,14 @@ if AVAILABLE:
             # The ring's first copies go out before the query is read: at small batch a program is a
             # chain of memory round trips (sequence length, block table, pages), and the query's own
             # loads and reductions below now overlap the pages' flight instead of preceding it.
-            # Unswizzled, row-major, each stage's layout (the leading dim is the stage).
-            SL3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-            SL4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-            SL5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-            bkc = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW, 4, 4], SL5)
-            bks = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
-            bek = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
-            if K_KO == 4:
-                biw = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
-                bvw = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW, 2], SL4)
-            else:  # never read
-                biw = bek
-                bvw = bek
-            bev = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
-            bca = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW // 2, 8, 2], SL5)
-            bcb = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW // 2, 8, 2], SL5)
-            bsv = gl.allocate_shared_memory(gl.int32, [STAGES, WN, TW], SL3)
-            bufs = (bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv)
+            # The ring is two allocations, even and odd whole tiles, STAGES // 2 stages each, and the loop
+            # is unrolled by two, so that a tile's reads and the copies issued beside them are in
+            # different allocations: within one allocation indexed by a dynamic stage the compiler added
+            # a second barrier per tile before the copies (7% of the stall samples, ncu), not knowing
+            # that the loop's barrier already orders them. Whole tile j sits in set j % 2, stage
+            # (j // 2) % (STAGES // 2); the partial tile (attended first) in whole tile STAGES - 1's slot.
+            set0 = _ring_set(STAGES // 2, WN, TW, K_KO)
+            set1 = _ring_set(STAGES // 2, WN, TW, K_KO)
             shifts = (8 * t_k, ((r_s * H + h) & 3) * 8, 8 * (g_v // 2))
             w_c = gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, COPY_ROW)), 1)
             r_c = gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, COPY_ROW)), 0)
@@ -591,17 +632,23 @@ if AVAILABLE:
             e_c2 = gl.expand_dims(gl.expand_dims(e_c2, 0), 1)  # [1, 1, 2]
             cidx = (w_k, r_k, w_c, r_c, w_c2, r_c2, e_c2, w_v, p_v, off_kc, off_vc)
             # The order of tiles does not matter to the softmax, so the partial tile (if any) goes first and
-            # the loop's copies and tiles are all whole, unmasked ones: tile k is at full_end for k = 0 when
-            # there is a partial tile, else at start + (k - has_part) x tile. Commit group k holds tile k.
-            has_part = (full_end < end).to(gl.int32)
-            n_tiles = (full_end - start) // tile + has_part
-            for j in gl.static_range(STAGES - 1):
-                if j < n_tiles:
-                    if j < has_part:
-                        _issue_tile(bufs, j, full_end, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, True)
+            # the loop's copies and tiles are all whole, unmasked ones. Commit groups: the partial tile's
+            # (empty without one), whole tiles 0 .. STAGES - 3 here, whole tile STAGES - 2 after the
+            # partial tile, then one per loop step.
+            has_part = full_end < end
+            n_whole = (full_end - start) // tile
+            if has_part:
+                _issue_tile(set1, STAGES // 2 - 1, full_end, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64,
+                            True)
+            _commit_group()
+            for j in gl.static_range(STAGES - 2):
+                if j < n_whole:
+                    if j % 2 == 0:
+                        _issue_tile(set0, (j // 2) % (STAGES // 2), start + j * tile, end, bt_row, h, pages, cidx,
+                                    BS, H, TW, K_KO, OFF64, False)
                     else:
-                        _issue_tile(bufs, j, start + (j - has_part) * tile, end, bt_row, h, pages, cidx, BS, H, TW,
-                                    K_KO, OFF64, False)
+                        _issue_tile(set1, (j // 2) % (STAGES // 2), start + j * tile, end, bt_row, h, pages, cidx,
+                                    BS, H, TW, K_KO, OFF64, False)
                 _commit_group()
 
         # The query, loaded once as [D, heads] (a thread per dimension, coalesced). The key outlier slots
@@ -659,32 +706,27 @@ if AVAILABLE:
                 m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qo, data, w_s, r_s, k_factor,
                                              GROUP, TW, K_KO, True, A_OP, B_OP, F16)
         else:
-            if has_part > 0:
-                _wait_group(STAGES - 2)  # tile 0 has landed
+            if has_part:
+                _wait_group(STAGES - 2)  # the partial tile has landed
                 _barrier()  # ... for every thread
-                data = _read_tile(bufs, 0, shifts, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, K_KO)
+                data = _read_tile(set1, STAGES // 2 - 1, shifts, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, K_KO)
                 qo = _outlier_queries(qt_cols, col_mask, data[3], full_end + TW * w_s + r_s < end, GROUP, True)
                 m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qo, data, w_s, r_s, k_factor,
                                              GROUP, TW, K_KO, True, A_OP, B_OP, F16)
-                if STAGES - 1 < n_tiles:  # tile STAGES - 1 into stage STAGES - 1
-                    _issue_tile(bufs, STAGES - 1, start + (STAGES - 2) * tile, end, bt_row, h, pages, cidx, BS, H,
-                                TW, K_KO, OFF64, False)
-                _commit_group()
-            for k in range(has_part, n_tiles):  # whole tiles: no masks
-                _wait_group(STAGES - 2)  # tile k has landed
-                _barrier()  # ... for every thread, and every thread is done with tile k - 1's stage
-                data = _read_tile(bufs, k % STAGES, shifts, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, K_KO)
-                n0 = start + (k - has_part) * tile
-                # the outlier gathers first, then the copy of tile k + STAGES - 1 (into the stage tile k - 1
-                # used), then the tile's work: gathers issued after a tile's copies waited behind them
-                # (the first use of a gather was the loop's most stalled instruction, ncu)
-                qo = _outlier_queries(qt_cols, col_mask, data[3], r_s >= 0, GROUP, False)
-                s = _tile_scores(qt, qo, data, l_i, k_factor, K_KO, A_OP, F16)
-                if k + STAGES - 1 < n_tiles:
-                    _issue_tile(bufs, (k + STAGES - 1) % STAGES, n0 + (STAGES - 1) * tile, end, bt_row, h, pages,
-                                cidx, BS, H, TW, K_KO, OFF64, False)
-                _commit_group()
-                m_i, l_i, acc = _tile_update(n0, end, m_i, l_i, acc, s, data, w_s, r_s, TW, False, A_OP, B_OP, F16)
+            j_last: gl.constexpr = STAGES - 2  # whole tile STAGES - 2, into set (STAGES - 2) % 2 = 0
+            if j_last < n_whole:
+                _issue_tile(set0, (j_last // 2) % (STAGES // 2), start + j_last * tile, end, bt_row, h, pages, cidx,
+                            BS, H, TW, K_KO, OFF64, False)
+            _commit_group()
+            step = (start, end, n_whole, bt_row, h, pages, cidx, shifts, qt, qt_cols, col_mask, w_s, r_s, k_factor)
+            for j in range(0, n_whole - 1, 2):  # two whole tiles: even from set 0, odd from set 1
+                m_i, l_i, acc = _ring_step(j, m_i, l_i, acc, set0, set1, step, BS, H, GROUP, TW, K_KO, OFF64, STAGES,
+                                           K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16)
+                m_i, l_i, acc = _ring_step(j + 1, m_i, l_i, acc, set1, set0, step, BS, H, GROUP, TW, K_KO, OFF64,
+                                           STAGES, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16)
+            if n_whole % 2 == 1:  # the last whole tile, even
+                m_i, l_i, acc = _ring_step(n_whole - 1, m_i, l_i, acc, set0, set1, step, BS, H, GROUP, TW, K_KO, OFF64,
+                                           STAGES, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16)
             _wait_group(0)
 
         # merge the warps' states
@@ -754,9 +796,11 @@ class Launch:
         _, bs, num_kv_heads, _ = k_pages.codes.shape
         group = num_heads // num_kv_heads
         stages = STAGES if stages is None else stages
-        if stages != 0 and (stages < 2 or stages & (stages - 1)):
+        if stages != 0 and (stages < 4 or stages & (stages - 1)):
+            # the ring is two allocations of stages / 2 tiles (even and odd tiles); with one tile each
+            # Triton 3.6 fails to compile the kernel
             raise ValueError(f"num_stages for the Gluon fp4 kernel must be 0 (loads into registers) or a power of "
-                             f"two >= 2 (tiles in its cp.async ring), got {stages}")
+                             f"two >= 4 (tiles in its cp.async ring), got {stages}")
         # scratch for the query x sm_scale_log2 transposed (the kernel writes it: the key outlier slots'
         # gathers read two heads at once there)
         q_t = query
