@@ -320,7 +320,6 @@ def _smoke_shapes() -> dict:
 SMOKE_SHAPES = _smoke_shapes()
 
 TUNE_VARIANTS = {  # the fp4 default: the Gluon kernel, 16-token warp tiles; the rest: the Triton fp4 kernel
-    "gluon_stages2": {"num_stages": 2},
     "gluon_stages8": {"num_stages": 8},
     "gluon_regs96": {"maxnreg": 96},
     "gluon_regs112": {"maxnreg": 112},

@@ -157,6 +157,25 @@ def test_matches_reference_on_gpu(kv_heads, group, key_outliers, num_splits, sta
 
 @on_gpu
 @needs_gluon
+@pytest.mark.parametrize("stages", [decode_fp4_gluon.STAGES, 8])
+@pytest.mark.parametrize("kv_heads,group", [(2, 3), (1, 8)])
+def test_ring_whole_tile_counts_on_gpu(stages, kv_heads, group):
+    """The ring's loop attends two whole tiles per iteration (an even and an odd one, from its two
+    allocations) and one more when their count is odd, after the partial tile when there is one:
+    lengths 64 n + {0, 1, 63} in one split give 0 to 6 whole tiles, with and without a partial one."""
+    seq_lens = [64 * n + e for n in range(7) for e in (0, 1, 63) if 64 * n + e > 0]
+    table, kp, vp = cuda_fp4_pages(seq_lens, kv_heads, 16, DEFAULT_FP4, seed=stages + group)
+    query = torch.randn(len(seq_lens), kv_heads * group, 128, device="cuda").bfloat16()
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out = torch.full_like(query, float("nan"))
+    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), DEFAULT_FP4, num_splits=1, out=out,
+                     gluon=True, num_stages=stages)
+    ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
+    assert _worst_rel_err(out, ref) < 1e-2
+
+
+@on_gpu
+@needs_gluon
 @pytest.mark.parametrize("fp16", [False, True])
 @pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 3)])
 @pytest.mark.parametrize("stages", [decode_fp4_gluon.STAGES, 0])

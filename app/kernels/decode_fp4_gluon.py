@@ -31,17 +31,18 @@ layout-level language), chosen so that nothing moves between threads except the 
   chains; fp16 is the default (F16_DEFAULT), whatever the batch, so that a sequence's result does not
   depend on the batch it runs in.
 - Loads, two ways (STAGES). 0: each tile's words are loaded into registers where they are used; the
-  loop has no shared memory and no barrier. 4: a ring of 4 tiles in shared memory that cp.async fills
-  2 tiles ahead of the one attended (39 KiB per program); the loop reads its tile from shared memory,
-  with one barrier per tile, and attends the partial tile first so that every copy in the loop is
-  unmasked. The ring is the default (measured faster in 27 of 32 rows). It is two allocations (even
-  and odd tiles, STAGES / 2 each) and the loop is unrolled over an even and an odd tile, so a tile's
-  reads and the copies issued beside them touch different allocations: with one allocation indexed
-  by a dynamic stage the compiler added a second barrier per tile before the copies. Order within a
-  program (ncu on the H200 named what waited): the ring's first copies go out before the query is read, so its
-  loads overlap theirs; in the loop a tile's key outlier gathers (global loads from the transposed
-  query, L1 evict-last) are issued before the next tile's copies and the copies before the softmax
-  and PV product, because gathers queued behind a tile's copies were the loop's most stalled wait.
+  loop has no shared memory and no barrier. 4: a ring of 4 tiles in shared memory that cp.async
+  fills 3 tiles ahead of the one attended, 2 still in flight when it is read (39 KiB per program);
+  the loop reads its tile from shared memory, with one barrier per tile, and attends the partial
+  tile first so that every copy in the loop is unmasked. The ring is the default (measured faster in
+  27 of 32 rows). It is two allocations (even and odd tiles, STAGES / 2 each) and the loop is
+  unrolled over an even and an odd tile, so a tile's reads and the copies issued beside them touch
+  different allocations: with one allocation indexed by a dynamic stage the compiler added a second
+  barrier per tile before the copies. Order within a program (ncu on the H200 named what waited):
+  the ring's first copies go out before the query is read, so its loads overlap theirs; in the loop
+  a tile's key outlier gathers (global loads from the transposed query, L1 evict-last) are issued
+  before that step's copies (of the tile 3 ahead) and the copies before the softmax and PV product,
+  because gathers queued behind copies were the loop's most stalled wait.
 - Pages. A warp tile's 16 tokens share a page, so a thread reads one block-table entry per tile
   and layout (three: K, scores, V) and addresses its tokens as base row + r x num_kv_heads.
 
@@ -285,21 +286,32 @@ if AVAILABLE:
         return (blk * BS + n_w % BS) * H + h
 
     @gluon.jit
-    def _outlier_queries(qt_cols, col_mask, iw, mask, GROUP: gl.constexpr, MASKED: gl.constexpr):
+    def _outlier_queries(qt_cols, col_mask, iw, mask, GROUP: gl.constexpr, MASKED: gl.constexpr,
+                         K_KO: gl.constexpr):
         """The query entries the 4 key outlier slots of each token multiply: q[head, out_idx] x
         sm_scale_log2 [W, TW, NH] float32 per slot, gathered from the query transposed (qt_cols: [D,
         GROUP] at this thread's columns, so one 64-bit load gathers two heads; two 32-bit loads when
         GROUP is odd). iw: the slots' 4 index bytes as one word. Issued as soon as a tile's index words
-        are read, before the next tile's copies, so that the gathers do not queue behind them."""
-        EL: gl.constexpr = "evict_last"  # the query stays in L1 while the tiles stream past
-        if MASKED:
-            m3 = col_mask & gl.expand_dims(mask, 2)
-        else:
-            m3 = col_mask & gl.expand_dims(mask | True, 2)
-        q0 = gl.load(qt_cols + gl.expand_dims((iw & 255) * GROUP, 2), mask=m3, other=0.0, eviction_policy=EL)
-        q1 = gl.load(qt_cols + gl.expand_dims(((iw >> 8) & 255) * GROUP, 2), mask=m3, other=0.0, eviction_policy=EL)
-        q2 = gl.load(qt_cols + gl.expand_dims(((iw >> 16) & 255) * GROUP, 2), mask=m3, other=0.0, eviction_policy=EL)
-        q3 = gl.load(qt_cols + gl.expand_dims(((iw >> 24) & 255) * GROUP, 2), mask=m3, other=0.0, eviction_policy=EL)
+        are read, before the ring's next copies, so that the gathers do not queue behind them. Without
+        key slots (K_KO = 0) nothing is loaded (qt_cols is then not a scratch buffer)."""
+        if K_KO == 4:
+            EL: gl.constexpr = "evict_last"  # the query stays in L1 while the tiles stream past
+            if MASKED:
+                m3 = col_mask & gl.expand_dims(mask, 2)
+            else:
+                m3 = col_mask & gl.expand_dims(mask | True, 2)
+            q0 = gl.load(qt_cols + gl.expand_dims((iw & 255) * GROUP, 2), mask=m3, other=0.0, eviction_policy=EL)
+            q1 = gl.load(qt_cols + gl.expand_dims(((iw >> 8) & 255) * GROUP, 2), mask=m3, other=0.0,
+                         eviction_policy=EL)
+            q2 = gl.load(qt_cols + gl.expand_dims(((iw >> 16) & 255) * GROUP, 2), mask=m3, other=0.0,
+                         eviction_policy=EL)
+            q3 = gl.load(qt_cols + gl.expand_dims(((iw >> 24) & 255) * GROUP, 2), mask=m3, other=0.0,
+                         eviction_policy=EL)
+        else:  # never read
+            q0 = iw
+            q1 = iw
+            q2 = iw
+            q3 = iw
         return q0, q1, q2, q3
 
     @gluon.jit
@@ -369,7 +381,8 @@ if AVAILABLE:
     @gluon.jit
     def _issue_tile(bufs, stage, n0, end, bt_row, h, pages, cidx, BS: gl.constexpr, H: gl.constexpr,
                     TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr, MASKED: gl.constexpr):
-        """Start copying one tile into stage `stage` of the shared-memory ring (cp.async, STAGES > 0).
+        """Start copying one tile into stage `stage` of `bufs`, one of the ring's two allocations (cp.async,
+        STAGES > 0).
         cp.async moves 4, 8 or 16 bytes, so byte arrays travel as the aligned word that holds the byte
         (_read_tile picks it out): a token's 4 K or V scale bytes are one word, an exponent byte is
         byte (row & 3) of word row >> 2. Per-token words are copied once per token (COPY_ROW), not
@@ -444,9 +457,9 @@ if AVAILABLE:
         return kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb
 
     @gluon.jit
-    def _attend_tile(n0, end, m_i, l_i, acc, qt, qo, tile, w_s, r_s, sm_scale_log2, GROUP: gl.constexpr,
-                     TW: gl.constexpr, K_KO: gl.constexpr, MASKED: gl.constexpr, A_OP: gl.constexpr,
-                     B_OP: gl.constexpr, F16: gl.constexpr):
+    def _attend_tile(n0, end, m_i, l_i, acc, qt, qo, tile, w_s, r_s, sm_scale_log2, TW: gl.constexpr,
+                     K_KO: gl.constexpr, MASKED: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
+                     F16: gl.constexpr):
         """One tile (_load_tile's registers): tokens n0 + TW w + r for each warp w, its own online softmax
         state (m_i [W, NH], per-thread partial sums l_i [W, TW, NH], O^T acc [W, D, NH]). MASKED: tokens
         at or past `end` may be in the tile (the partial one), else every score is taken as is. qo: the
@@ -549,7 +562,7 @@ if AVAILABLE:
         _barrier()  # ... for every thread, and every thread is done with the stage the copy below refills
         data = _read_tile(read_set, (j // 2) % NS, shifts, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, K_KO)
         n0 = start + j * tile
-        qo = _outlier_queries(qt_cols, col_mask, data[3], r_s >= 0, GROUP, False)
+        qo = _outlier_queries(qt_cols, col_mask, data[3], r_s >= 0, GROUP, False, K_KO)
         s = _tile_scores(qt, qo, data, l_i, k_factor, K_KO, A_OP, F16)
         ahead = j + STAGES - 1
         if ahead < n_whole:
@@ -651,7 +664,8 @@ if AVAILABLE:
                                     BS, H, TW, K_KO, OFF64, False)
                 _commit_group()
 
-        # The query, loaded once as [D, heads] (a thread per dimension, coalesced). The key outlier slots
+        # The query as [D, heads] (a thread per dimension, coalesced: the scratch and the scale below;
+        # the B operand further down loads it again, every warp the whole query). The key outlier slots
         # gather q[head, idx] for two heads with one 64-bit load from the query transposed: every program
         # of this (sequence, KV head) writes the same float32 values to its slot of the scratch buffer, and
         # the barrier makes this program's writes visible to its warps.
@@ -675,8 +689,9 @@ if AVAILABLE:
         if F16:
             # fp16 (11 significant bits, bf16's 8 exact) with a power of two F that brings the largest
             # element to [2^13, 2^14): no overflow, nothing below fp16's normal range but elements 2^-27 of
-            # the largest. The largest comes from the [D, heads] load (one value per thread, a few
-            # shuffles), not from the B operand, where every warp holds the whole query.
+            # the largest. The largest comes from the [D, heads] load (a thread's 8 values, shuffles within
+            # a warp, one exchange across warps), not from the B operand, where every warp holds the whole
+            # query and reduced all of it (~200 shuffles).
             amax = gl.max(gl.max(gl.abs(qv), 1), 0)
             f = (gl.minimum(gl.maximum(267 - (amax.to(gl.int32, bitcast=True) >> 23), 1), 254) << 23).to(
                 gl.float32, bitcast=True)  # 2^(13 - floor(log2 amax))
@@ -697,22 +712,24 @@ if AVAILABLE:
             lidx = (w_k, r_k, w_s, r_s, w_v, p_v, off_kc, off_ks, off_vc, off_vs)
             for n0 in range(start, full_end, tile):  # whole tiles: no masks
                 data = _load_tile(n0, end, bt_row, h, pages, lidx, BS, H, TW, K_KO, OFF64, False)
-                qo = _outlier_queries(qt_cols, col_mask, data[3], r_s >= 0, GROUP, False)
+                qo = _outlier_queries(qt_cols, col_mask, data[3], r_s >= 0, GROUP, False, K_KO)
                 m_i, l_i, acc = _attend_tile(n0, end, m_i, l_i, acc, qt, qo, data, w_s, r_s, k_factor,
-                                             GROUP, TW, K_KO, False, A_OP, B_OP, F16)
+                                             TW, K_KO, False, A_OP, B_OP, F16)
             if full_end < end:  # the last, partial tile
                 data = _load_tile(full_end, end, bt_row, h, pages, lidx, BS, H, TW, K_KO, OFF64, True)
-                qo = _outlier_queries(qt_cols, col_mask, data[3], full_end + TW * w_s + r_s < end, GROUP, True)
+                qo = _outlier_queries(qt_cols, col_mask, data[3], full_end + TW * w_s + r_s < end, GROUP, True,
+                                      K_KO)
                 m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qo, data, w_s, r_s, k_factor,
-                                             GROUP, TW, K_KO, True, A_OP, B_OP, F16)
+                                             TW, K_KO, True, A_OP, B_OP, F16)
         else:
             if has_part:
                 _wait_group(STAGES - 2)  # the partial tile has landed
                 _barrier()  # ... for every thread
                 data = _read_tile(set1, STAGES // 2 - 1, shifts, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, K_KO)
-                qo = _outlier_queries(qt_cols, col_mask, data[3], full_end + TW * w_s + r_s < end, GROUP, True)
+                qo = _outlier_queries(qt_cols, col_mask, data[3], full_end + TW * w_s + r_s < end, GROUP, True,
+                                      K_KO)
                 m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qo, data, w_s, r_s, k_factor,
-                                             GROUP, TW, K_KO, True, A_OP, B_OP, F16)
+                                             TW, K_KO, True, A_OP, B_OP, F16)
             j_last: gl.constexpr = STAGES - 2  # whole tile STAGES - 2, into set (STAGES - 2) % 2 = 0
             if j_last < n_whole:
                 _issue_tile(set0, (j_last // 2) % (STAGES // 2), start + j_last * tile, end, bt_row, h, pages, cidx,
@@ -860,7 +877,8 @@ class Launch:
 
 
 PLAN_PROGRAMS_PER_SM = 4
-# Tiles in the cp.async ring, a power of 2 (0: each tile loaded into registers where it is used). On
+# Tiles in the cp.async ring, a power of 2 >= 4: two allocations of STAGES / 2 (0: each tile loaded into
+# registers where it is used). On
 # the H200 the ring was faster than loads into registers in 12 of 16 rows for the 8B shape
 # (0.97-1.16x) and 15 of 16 for 70B at TP 8 (0.98-1.10x); bench/RESULTS.md, "fp4 decode, fourth pass".
 STAGES = 4
