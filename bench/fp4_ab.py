@@ -32,6 +32,7 @@ sys.path.insert(0, ROOT)
 from app.kernels.attention_ref import decode_attention_ref  # noqa: E402
 from app.kernels.decode_attention import LOG2E, _merge_splits, _split_buffers, num_splits_for  # noqa: E402
 from bench.kernels import FORMATS, MODELS, bench, decode_cases, random_fp4_pages  # noqa: E402
+from bench.fp4_variants import worst_rel_err  # noqa: E402
 
 MODULE = "app/kernels/decode_fp4_gluon.py"
 
@@ -67,11 +68,6 @@ class Version:
         self.launch.run(self.out, self.part_o, self.part_lse, self.split_size, self.num_splits)
         _merge_splits(self.part_o, self.part_lse, self.out, self.num_splits)
         return self.out
-
-
-def worst_rel_err(out, ref) -> float:
-    diff = (out.float() - ref.float()).norm(dim=-1)
-    return (diff / ref.float().norm(dim=-1).clamp_min(1e-30)).max().item()
 
 
 def main() -> None:

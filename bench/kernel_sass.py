@@ -8,8 +8,9 @@ and shape this prints registers and stack (spill) bytes per thread and the instr
 main loop (the largest backward branch), per thread and per (token, KV head): loop instructions x
 warps / tokens per loop iteration (tiles per iteration x tokens per tile), the figure to hold
 against the ~36 warp instructions per (token, KV head) that streaming fp4's 150 bytes at the copy
-rate leaves (4 issue slots per cycle per SM, bench/RESULTS.md). Compile with the Triton the GPU machine runs (3.6 there: pip install --target
-DIR triton==3.6.0, then --triton-path DIR); other versions give other code.
+rate leaves (4 issue slots per cycle per SM, bench/RESULTS.md). Compile with the Triton the GPU
+machine runs (3.6 there: pip install --target DIR triton==3.6.0, then --triton-path DIR); other
+versions give other code.
 """
 
 from __future__ import annotations

@@ -546,6 +546,16 @@ if AVAILABLE:
         return (bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv)
 
     @gluon.jit
+    def _issue_whole(bufs, j, n_whole, start, end, bt_row, h, pages, cidx, BS: gl.constexpr, H: gl.constexpr,
+                     TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr, STAGES: gl.constexpr):
+        """Whole tile j (tokens start + j x tile ..), if there is one, into its slot of the ring: stage
+        (j // 2) % (STAGES // 2) of `bufs`, which must be set j % 2 (the caller's choice: a set is an
+        allocation, picked at compile time)."""
+        if j < n_whole:
+            _issue_tile(bufs, (j // 2) % (STAGES // 2), start + j * (4 * TW), end, bt_row, h, pages, cidx, BS, H, TW,
+                        K_KO, OFF64, False)
+
+    @gluon.jit
     def _ring_step(j, m_i, l_i, acc, read_set, write_set, step, BS: gl.constexpr, H: gl.constexpr,
                    GROUP: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr,
                    STAGES: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, S_ROW: gl.constexpr,
@@ -564,10 +574,8 @@ if AVAILABLE:
         n0 = start + j * tile
         qo = _outlier_queries(qt_cols, col_mask, data[3], r_s >= 0, GROUP, False, K_KO)
         s = _tile_scores(qt, qo, data, l_i, k_factor, K_KO, A_OP, F16)
-        ahead = j + STAGES - 1
-        if ahead < n_whole:
-            _issue_tile(write_set, (ahead // 2) % NS, n0 + (STAGES - 1) * tile, end, bt_row, h, pages, cidx, BS, H,
-                        TW, K_KO, OFF64, False)
+        _issue_whole(write_set, j + STAGES - 1, n_whole, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64,
+                     STAGES)
         _commit_group()
         return _tile_update(n0, end, m_i, l_i, acc, s, data, w_s, r_s, TW, False, A_OP, B_OP, F16)
 
@@ -655,13 +663,10 @@ if AVAILABLE:
                             True)
             _commit_group()
             for j in gl.static_range(STAGES - 2):
-                if j < n_whole:
-                    if j % 2 == 0:
-                        _issue_tile(set0, (j // 2) % (STAGES // 2), start + j * tile, end, bt_row, h, pages, cidx,
-                                    BS, H, TW, K_KO, OFF64, False)
-                    else:
-                        _issue_tile(set1, (j // 2) % (STAGES // 2), start + j * tile, end, bt_row, h, pages, cidx,
-                                    BS, H, TW, K_KO, OFF64, False)
+                if j % 2 == 0:
+                    _issue_whole(set0, j, n_whole, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, STAGES)
+                else:
+                    _issue_whole(set1, j, n_whole, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, STAGES)
                 _commit_group()
 
         # The query as [D, heads] (a thread per dimension, coalesced: the scratch and the scale below;
@@ -730,10 +735,8 @@ if AVAILABLE:
                                       K_KO)
                 m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qo, data, w_s, r_s, k_factor,
                                              TW, K_KO, True, A_OP, B_OP, F16)
-            j_last: gl.constexpr = STAGES - 2  # whole tile STAGES - 2, into set (STAGES - 2) % 2 = 0
-            if j_last < n_whole:
-                _issue_tile(set0, (j_last // 2) % (STAGES // 2), start + j_last * tile, end, bt_row, h, pages, cidx,
-                            BS, H, TW, K_KO, OFF64, False)
+            # whole tile STAGES - 2, into set (STAGES - 2) % 2 = 0
+            _issue_whole(set0, STAGES - 2, n_whole, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, STAGES)
             _commit_group()
             step = (start, end, n_whole, bt_row, h, pages, cidx, shifts, qt, qt_cols, col_mask, w_s, r_s, k_factor)
             for j in range(0, n_whole - 1, 2):  # two whole tiles: even from set 0, odd from set 1
