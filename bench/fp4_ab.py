@@ -54,11 +54,32 @@ def revision_file(rev: str, out_dir: str) -> str:
     return path
 
 
-class Version:
-    """One module's decode (kernel + this tree's merge) on one case."""
+def add_case_args(ap: argparse.ArgumentParser, rounds: int) -> None:
+    """The options this script and bench/fp4_ablate.py share: which cases, how many rounds, where to write."""
+    ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--json", default=None)
 
-    def __init__(self, mod, q, kp, vp, table, sl, scale, ctx):
-        self.launch = mod.Launch(q, kp, vp, table, sl, scale * LOG2E, FORMATS[0].outliers)
+
+def save_row(results: dict, row: dict, path: str | None) -> None:
+    """A finished row: into results, printed as JSON, results rewritten to `path` (if given)."""
+    torch.cuda.empty_cache()
+    results["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+class Version:
+    """One module's decode (kernel + this tree's merge) on one case; k_outliers (None: the format's)
+    and maxnreg as Launch takes them."""
+
+    def __init__(self, mod, q, kp, vp, table, sl, scale, ctx, k_outliers: int | None = None,
+                 maxnreg: int | None = None):
+        outliers = FORMATS[0].outliers if k_outliers is None else k_outliers
+        self.launch = mod.Launch(q, kp, vp, table, sl, scale * LOG2E, outliers, maxnreg=maxnreg)
         tile = mod.W * mod.TW
         ns = num_splits_for(q.shape[0], kp.codes.shape[2], ctx, q.device, tile, self.launch.programs_per_sm(),
                             whole_waves=True)
@@ -74,10 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", default=None, help="a git revision: its kernel module against this tree's")
     ap.add_argument("--modules", default=None, help="name=file,... (the first is the reference for equality)")
-    ap.add_argument("--contexts", default="8192,32768")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--json", default=None)
+    add_case_args(ap, rounds=2)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
     if args.modules:
@@ -114,12 +132,7 @@ def main() -> None:
             row[f"{n}_vs_sdpa"] = row["sdpa_ms"] / best[n]
             row[f"{n}_speed_vs_{names[0]}"] = best[names[0]] / best[n]
         del kp, vp, versions, outs
-        torch.cuda.empty_cache()
-        results["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        save_row(results, row, args.json)
     cols = " | ".join(f"{n} ms" for n in names)
     print(f"\n| model | ctx | batch | SDPA ms | {cols} | " + " | ".join(f"{n} vs {names[0]}" for n in names[1:])
           + " | " + " | ".join(f"{n} vs SDPA" for n in names) + " |")

@@ -109,6 +109,31 @@ def test_num_stages_other_than_0_or_a_power_of_two_is_refused():
         assert decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, stages=stages).constexprs["STAGES"] == expect
 
 
+
+def test_the_ablation_benchmark_still_applies_to_the_kernel():
+    """bench/fp4_ablate.py times copies of the kernel with parts taken out by textual edits of this
+    module; each edit must match exactly once (else the copy would time something else), and the
+    copies must still be Python."""
+    import ast
+
+    sys.path.insert(0, REPO)
+    from bench import fp4_ablate
+
+    original = open(fp4_ablate.MODULE).read()
+    for name, (edits, _) in fp4_ablate.VARIANTS.items():
+        src = fp4_ablate.ablated_source(edits)
+        ast.parse(src)
+        assert (src == original) == (not edits), name
+        for e in edits:
+            for _, new in fp4_ablate.EDITS[e]:
+                assert new in src, (name, e)
+    with pytest.raises(ValueError, match="expected one"):
+        fp4_ablate.EDITS["broken"] = [("this text is not in the kernel", "")]
+        try:
+            fp4_ablate.ablated_source(["broken"])
+        finally:
+            del fp4_ablate.EDITS["broken"]
+
 @needs_gluon
 def test_the_code_to_number_map_does_not_depend_on_the_batch():
     """fp16 maps by default for every batch size (a sequence's rounding must not depend on its

@@ -1,0 +1,110 @@
+"""What each part of the Gluon fp4 decode kernel costs in time: the kernel against copies of itself
+with a part taken out, side by side on one GPU (outputs of the ablated copies are wrong by design).
+
+    python3 bench/fp4_ablate.py [--contexts 8192,32768] [--batches 1,8,32] [--rounds 3] [--json F]
+
+Variants (each a copy of app/kernels/decode_fp4_gluon.py with one textual change, loaded as its own
+module, or the same module launched differently):
+  full            the kernel as it is
+  no_outliers     launched without key outlier slots (K_KO = 0: no gathers, no slot words copied)
+  no_unpack       the code-to-number maps (_K16_UNPACK_PTX, _V16_UNPACK_PTX) replaced by register
+                  moves: the code words go to the tensor cores as fp16 pairs, no scale multiply
+  bare            no_unpack without outlier slots
+  l2              every whole tile copies the split's first tile (the same pages over and over: L2
+                  hits, almost no DRAM traffic), all the arithmetic kept
+  l2_bare         l2 and bare together: what is left is the copies' issue from L2, the ring's waits
+                  and barriers, the MMAs, the softmax and the program's fixed costs
+Each row also has SDPA bf16 (bench/kernels.py's timing) and the time to read the fp4 cache once at
+the measured copy rate (`floor`). CUDA-graph replay medians, variants alternated --rounds times per
+row, best of each kept; every variant compiled with at most 128 registers (4 programs per SM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.fp4_ab import Version, add_case_args, load_module, save_row  # noqa: E402
+from bench.kernels import FORMATS, FP4_BYTES, MODELS, bench, copy_bandwidth, decode_cases, random_fp4_pages  # noqa: E402
+
+MODULE = os.path.join(ROOT, "app", "kernels", "decode_fp4_gluon.py")
+K_MOVES = '"mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;"'
+V_MOVES = '"mov.b32 $0, $8; mov.b32 $1, $9; mov.b32 $2, $8; mov.b32 $3, $9; ' \
+          'mov.b32 $4, $8; mov.b32 $5, $9; mov.b32 $6, $8; mov.b32 $7, $9;"'
+EDITS = {
+    "no_unpack": [("gl.constexpr(_K16_UNPACK_PTX)", f"gl.constexpr({K_MOVES})"),
+                  ("gl.constexpr(_V16_UNPACK_PTX)", f"gl.constexpr({V_MOVES})")],
+    "l2": [("start + j * (4 * TW), end, bt_row", "start, end, bt_row")],
+}
+VARIANTS = {  # name -> (source edits, key outlier slots launched with)
+    "full": ([], None), "no_outliers": ([], 0), "no_unpack": (["no_unpack"], None), "bare": (["no_unpack"], 0),
+    "l2": (["l2"], None), "l2_bare": (["l2", "no_unpack"], 0),
+}
+
+
+def ablated_source(edits: list[str]) -> str:
+    """decode_fp4_gluon.py's source with the named EDITS applied (each must match exactly once)."""
+    src = open(MODULE).read()
+    for e in edits:
+        for old, new in EDITS[e]:
+            if src.count(old) != 1:
+                raise ValueError(f"ablation {e}: expected one '{old}' in {MODULE}, found {src.count(old)}")
+            src = src.replace(old, new)
+    return src
+
+
+def ablated_module(name: str, edits: list[str], out_dir: str):
+    path = os.path.join(out_dir, f"decode_fp4_gluon_{name}.py")
+    with open(path, "w") as f:
+        f.write(ablated_source(edits))
+    return load_module(name, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_case_args(ap, rounds=3)
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp()
+    mods = {n: ablated_module(n, edits, tmp) for n, (edits, _) in VARIANTS.items()}
+    copy_bw = copy_bandwidth()
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": copy_bw / 1e9,
+               "rows": []}
+    import triton
+    results["triton"] = triton.__version__
+    names = list(VARIANTS)
+    for row, q, table, sl, scale, nb in decode_cases([int(c) for c in args.contexts.split(",")],
+                                                     [int(b) for b in args.batches.split(",")]):
+        hk = MODELS[row["model"]][1]
+        kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
+        # every variant capped at 128 registers, the kernel's own count, so that all run 4 programs per SM
+        # (without the cap the ablated copies take up to 168 and fewer programs fit)
+        runs = {n: Version(mods[n], q, kp, vp, table, sl, scale, row["ctx"], k_outliers=VARIANTS[n][1], maxnreg=128)
+                for n in names}
+        best = {n: float("inf") for n in names}
+        for _ in range(args.rounds):
+            for n in names:
+                best[n] = min(best[n], bench(runs[n]))
+        row["floor_ms"] = row["batch"] * row["ctx"] * hk * FP4_BYTES / copy_bw * 1e3
+        for n in names:
+            row[f"{n}_ms"] = best[n]
+            row[f"{n}_regs"], row[f"{n}_smem"] = runs[n].launch.resources()
+            row[f"{n}_splits"] = runs[n].num_splits
+        del kp, vp, runs
+        save_row(results, row, args.json)
+    print(f"\ncopy {copy_bw / 1e9:.0f} GB/s; times in ms, share of full's time in parentheses")
+    print("| model | ctx | batch | SDPA | floor | " + " | ".join(names) + " |")
+    for r in results["rows"]:
+        full = r["full_ms"]
+        print(f"| {r['model']} | {r['ctx']} | {r['batch']} | {r['sdpa_ms']:.4f} | {r['floor_ms']:.4f} | "
+              + " | ".join(f"{r[f'{n}_ms']:.4f} ({r[f'{n}_ms'] / full:.2f})" for n in names) + " |")
+
+
+if __name__ == "__main__":
+    main()
