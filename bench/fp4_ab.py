@@ -79,7 +79,9 @@ class Version:
     def __init__(self, mod, q, kp, vp, table, sl, scale, ctx, k_outliers: int | None = None,
                  maxnreg: int | None = None):
         outliers = FORMATS[0].outliers if k_outliers is None else k_outliers
-        self.launch = mod.Launch(q, kp, vp, table, sl, scale * LOG2E, outliers, maxnreg=maxnreg)
+        # maxnreg only when given: a module's own Launch default (e.g. a capped variant's) stays in force
+        cap = {} if maxnreg is None else {"maxnreg": maxnreg}
+        self.launch = mod.Launch(q, kp, vp, table, sl, scale * LOG2E, outliers, **cap)
         tile = mod.W * mod.TW
         ns = num_splits_for(q.shape[0], kp.codes.shape[2], ctx, q.device, tile, self.launch.programs_per_sm(),
                             whole_waves=True)

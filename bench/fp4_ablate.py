@@ -7,16 +7,19 @@ Variants (each a copy of app/kernels/decode_fp4_gluon.py with one textual change
 module, or the same module launched differently):
   full            the kernel as it is
   no_outliers     launched without key outlier slots (K_KO = 0: no gathers, no slot words copied)
-  no_unpack       the code-to-number maps (_K16_UNPACK_PTX, _V16_UNPACK_PTX) replaced by register
-                  moves: the code words go to the tensor cores as fp16 pairs, no scale multiply
+  no_unpack       the code-to-number maps (_K16_UNPACK_PTX, _V16_UNPACK_PTX, the fp16 ones: F16_DEFAULT)
+                  replaced by register moves: the code words go to the tensor cores as fp16 pairs, and
+                  with the scale operand unused the compiler may drop the scales' reads and conversion
   bare            no_unpack without outlier slots
-  l2              every whole tile copies the split's first tile (the same pages over and over: L2
-                  hits, almost no DRAM traffic), all the arithmetic kept
+  l2              every whole tile copies the split's first tile (the same pages over and over: L2 hits,
+                  L1 hits for the 4- and 8-byte copies, almost no DRAM traffic), all the arithmetic kept
   l2_bare         l2 and bare together: what is left is the copies' issue from L2, the ring's waits
                   and barriers, the MMAs, the softmax and the program's fixed costs
 Each row also has SDPA bf16 (bench/kernels.py's timing) and the time to read the fp4 cache once at
-the measured copy rate (`floor`). CUDA-graph replay medians, variants alternated --rounds times per
-row, best of each kept; every variant compiled with at most 128 registers (4 programs per SM).
+the measured copy rate (`floor`: all 150 bytes per token and KV head, outlier slots included, also
+for the variants that do not read them). CUDA-graph replay medians, variants alternated --rounds
+times per row, best of each kept; every variant compiled with at most 128 registers (4 programs per
+SM).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.fp4_ab import Version, add_case_args, load_module, save_row  # noqa: E402
-from bench.kernels import FORMATS, FP4_BYTES, MODELS, bench, copy_bandwidth, decode_cases, random_fp4_pages  # noqa: E402
+from bench.kernels import (FORMATS, FP4_BYTES, MODELS, bench, copy_bandwidth, decode_cases,  # noqa: E402
+                           random_fp4_pages)
 
 MODULE = os.path.join(ROOT, "app", "kernels", "decode_fp4_gluon.py")
 K_MOVES = '"mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;"'

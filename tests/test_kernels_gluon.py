@@ -109,17 +109,20 @@ def test_num_stages_other_than_0_or_a_power_of_two_is_refused():
         assert decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, stages=stages).constexprs["STAGES"] == expect
 
 
-
-def test_the_ablation_benchmark_still_applies_to_the_kernel():
+def test_the_ablation_benchmark_still_applies_to_the_kernel(monkeypatch):
     """bench/fp4_ablate.py times copies of the kernel with parts taken out by textual edits of this
-    module; each edit must match exactly once (else the copy would time something else), and the
-    copies must still be Python."""
+    module; each edit must match exactly once (else the copy would time something else), the copies
+    must still be Python, and the maps it replaces must be the ones the kernel runs by default (the
+    fp16 ones) with the operand lists its replacements are written for."""
     import ast
 
-    sys.path.insert(0, REPO)
+    monkeypatch.syspath_prepend(REPO)
     from bench import fp4_ablate
 
+    assert decode_fp4_gluon.F16_DEFAULT
     original = open(fp4_ablate.MODULE).read()
+    assert '_K16_UNPACK_PTX_C, "=r,=r,=r,=r,r,r"' in original
+    assert '_V16_UNPACK_PTX_C, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r"' in original
     for name, (edits, _) in fp4_ablate.VARIANTS.items():
         src = fp4_ablate.ablated_source(edits)
         ast.parse(src)
@@ -127,12 +130,10 @@ def test_the_ablation_benchmark_still_applies_to_the_kernel():
         for e in edits:
             for _, new in fp4_ablate.EDITS[e]:
                 assert new in src, (name, e)
+    monkeypatch.setitem(fp4_ablate.EDITS, "broken", [("this text is not in the kernel", "")])
     with pytest.raises(ValueError, match="expected one"):
-        fp4_ablate.EDITS["broken"] = [("this text is not in the kernel", "")]
-        try:
-            fp4_ablate.ablated_source(["broken"])
-        finally:
-            del fp4_ablate.EDITS["broken"]
+        fp4_ablate.ablated_source(["broken"])
+
 
 @needs_gluon
 def test_the_code_to_number_map_does_not_depend_on_the_batch():
