@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 
 from app.kernels.attention_ref import decode_attention_ref  # noqa: E402
 from app.kernels.decode_attention import LOG2E, _merge_splits, _split_buffers, num_splits_for  # noqa: E402
-from bench.kernels import FORMATS, MODELS, bench, decode_cases, random_fp4_pages  # noqa: E402
+from bench.kernels import FORMATS, MODELS, bench, decode_cases, random_fp4_pages, run_info  # noqa: E402
 from bench.fp4_variants import worst_rel_err  # noqa: E402
 
 MODULE = "app/kernels/decode_fp4_gluon.py"
@@ -106,9 +106,7 @@ def main() -> None:
         paths = {"baseline": revision_file(args.baseline or "HEAD", tmp), "tree": os.path.join(ROOT, MODULE)}
     mods = {name: load_module(name, path) for name, path in paths.items()}
     names = list(mods)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "versions": paths, "rows": []}
-    import triton
-    results["triton"] = triton.__version__
+    results = run_info(versions=paths, rows=[])
     for row, q, table, sl, scale, nb in decode_cases([int(c) for c in args.contexts.split(",")],
                                                      [int(b) for b in args.batches.split(",")]):
         ctx, hk = row["ctx"], MODELS[row["model"]][1]

@@ -29,14 +29,12 @@ import os
 import sys
 import tempfile
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.fp4_ab import Version, add_case_args, load_module, save_row  # noqa: E402
 from bench.kernels import (FORMATS, FP4_BYTES, MODELS, bench, copy_bandwidth, decode_cases,  # noqa: E402
-                           random_fp4_pages)
+                           random_fp4_pages, run_info)
 
 MODULE = os.path.join(ROOT, "app", "kernels", "decode_fp4_gluon.py")
 K_MOVES = '"mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;"'
@@ -78,10 +76,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp()
     mods = {n: ablated_module(n, edits, tmp) for n, (edits, _) in VARIANTS.items()}
     copy_bw = copy_bandwidth()
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": copy_bw / 1e9,
-               "rows": []}
-    import triton
-    results["triton"] = triton.__version__
+    results = run_info(copy_GBps=copy_bw / 1e9, rows=[])
     names = list(VARIANTS)
     for row, q, table, sl, scale, nb in decode_cases([int(c) for c in args.contexts.split(",")],
                                                      [int(b) for b in args.batches.split(",")]):

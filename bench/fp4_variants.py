@@ -33,7 +33,7 @@ from app.kernels.attention_ref import decode_attention_ref  # noqa: E402
 from app.kernels.decode_attention import _merge_splits, _split_buffers, decode_attention, num_splits_for  # noqa: E402
 from app.kernels.fp4 import FP4Format  # noqa: E402
 from bench.kernels import (DEV, FORMATS, FP4_BYTES, GLUON_TILE, MODELS, bench,  # noqa: E402
-                           copy_bandwidth, decode_cases, random_fp4_pages)
+                           copy_bandwidth, decode_cases, random_fp4_pages, run_info)
 from kernels_testing import cuda_fp4_pages  # noqa: E402
 
 VARIANTS = {"default": None, "bf16": False, "fp16": True}  # decode_attention's fp16
@@ -120,9 +120,7 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="accuracy,decode")
     args = ap.parse_args()
     names = args.variants.split(",")
-    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    import triton
-    results["triton"] = triton.__version__
+    results = run_info()
 
     def save():
         if args.json:

@@ -82,6 +82,13 @@ def host_us(fn, calls: int = 200) -> float:
     return (time.perf_counter() - t) / calls * 1e6
 
 
+def run_info(**extra) -> dict:
+    """The header of a benchmark's results: the GPU, its SM count, torch, Triton, the date (+ extra)."""
+    props = torch.cuda.get_device_properties(DEV)
+    return {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"), **extra}
+
+
 def copy_bandwidth() -> float:
     """Bytes read + written per second by a 4 GiB device-to-device copy."""
     src = torch.randint(0, 255, (4 << 30,), dtype=torch.uint8, device=DEV)
@@ -480,9 +487,7 @@ def main() -> None:
     args = ap.parse_args()
     skip = set(args.skip.split(",")) - {""}
     t0 = time.time()
-    props = torch.cuda.get_device_properties(DEV)
-    results = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-               "triton": triton.__version__, "date": time.strftime("%Y-%m-%d")}
+    results = run_info()
     results["copy_bw_GBps"] = copy_bandwidth() / 1e9
     print(json.dumps(results), flush=True)
 

@@ -881,9 +881,9 @@ class Launch:
 
 PLAN_PROGRAMS_PER_SM = 4
 # Tiles in the cp.async ring, a power of 2 >= 4: two allocations of STAGES / 2 (0: each tile loaded into
-# registers where it is used). On
-# the H200 the ring was faster than loads into registers in 12 of 16 rows for the 8B shape
-# (0.97-1.16x) and 15 of 16 for 70B at TP 8 (0.98-1.10x); bench/RESULTS.md, "fp4 decode, fourth pass".
+# registers where it is used). On the H200 the ring was faster than loads into registers in 12 of 16
+# rows for the 8B shape (0.97-1.16x) and 15 of 16 for 70B at TP 8 (0.98-1.10x); bench/RESULTS.md,
+# "fp4 decode, fourth pass".
 STAGES = 4
 # Keys and values through fp16 MMAs, the codes widened by the hardware's E4M3 -> fp16 conversion
 # (_K16_UNPACK_PTX, _V16_UNPACK_PTX: 36.6 loop instructions per (token, KV head) for the 8B shape), or
