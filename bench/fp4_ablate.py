@@ -2,6 +2,9 @@
 with a part taken out, side by side on one GPU (outputs of the ablated copies are wrong by design).
 
     python3 bench/fp4_ablate.py [--contexts 8192,32768] [--batches 1,8,32] [--rounds 3] [--json F]
+        [--variants full,bare,...]
+    ncu ... python3 bench/fp4_ablate.py --profile l2_bare [--model 8B --contexts 32768 --batches 32]
+        (one variant, one case, a few calls and no timing: for a profiler)
 
 Variants (each a copy of app/kernels/decode_fp4_gluon.py with one textual change, loaded as its own
 module, or the same module launched differently):
@@ -15,6 +18,13 @@ module, or the same module launched differently):
                   L1 hits for the 4- and 8-byte copies, almost no DRAM traffic), all the arithmetic kept
   l2_bare         l2 and bare together: what is left is the copies' issue from L2, the ring's waits
                   and barriers, the MMAs, the softmax and the program's fixed costs
+  codes_only      bare without the per-token metadata copies (K and V scale words, the exponent words):
+                  only the code bytes' 16- and 8-byte copies, 128 of the 150 bytes per token and KV
+                  head, so the memory path's cost with and without the 4-byte copies
+  fixed           no tile attended (the split's loop and ring skipped): the launch, the query's loads and
+                  scratch, the epilogue's stores and the split merge, what a call costs whatever its length
+  no_merge, fixed_no_merge
+                  full and fixed without the split merge kernel that follows the decode kernel
 Each row also has SDPA bf16 (bench/kernels.py's timing) and the time to read the fp4 cache once at
 the measured copy rate (`floor`: all 150 bytes per token and KV head, outlier slots included, also
 for the variants that do not read them). CUDA-graph replay medians, variants alternated --rounds
@@ -29,12 +39,14 @@ import os
 import sys
 import tempfile
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.fp4_ab import Version, add_case_args, load_module, save_row  # noqa: E402
-from bench.kernels import (FORMATS, FP4_BYTES, MODELS, bench, copy_bandwidth, decode_cases,  # noqa: E402
-                           random_fp4_pages, run_info)
+from bench.kernels import (FORMATS, FP4_BYTES, HEAD_DIM, MODELS, bench, copy_bandwidth,  # noqa: E402
+                           decode_cases, random_fp4_pages, run_info, shuffled_tables)
 
 MODULE = os.path.join(ROOT, "app", "kernels", "decode_fp4_gluon.py")
 K_MOVES = '"mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;"'
@@ -44,11 +56,26 @@ EDITS = {
     "no_unpack": [("gl.constexpr(_K16_UNPACK_PTX)", f"gl.constexpr({K_MOVES})"),
                   ("gl.constexpr(_V16_UNPACK_PTX)", f"gl.constexpr({V_MOVES})")],
     "l2": [("start + j * (4 * TW), end, bt_row", "start, end, bt_row")],
+    "no_meta": [(f"_async_load({b}.index(stage), {src}, mc)", "pass") for b, src in
+                [("bks", "k1.to(i32) + rows_c"), ("bek", "k2.to(i32) + (rows_c >> 2)"),
+                 ("bev", "v2.to(i32) + (rows_c >> 2)"), ("bsv", "v1.to(i32) + rows_c")]],
+    "no_tiles": [("end = gl.minimum(seq_len, start + split_size)", "end = gl.minimum(seq_len, start)")],
 }
 VARIANTS = {  # name -> (source edits, key outlier slots launched with)
     "full": ([], None), "no_outliers": ([], 0), "no_unpack": (["no_unpack"], None), "bare": (["no_unpack"], 0),
-    "l2": (["l2"], None), "l2_bare": (["l2", "no_unpack"], 0),
+    "l2": (["l2"], None), "l2_bare": (["l2", "no_unpack"], 0), "codes_only": (["no_unpack", "no_meta"], 0),
+    "fixed": (["no_tiles"], None),
+    "no_merge": ([], None), "fixed_no_merge": (["no_tiles"], None),
 }
+NO_MERGE = {"no_merge", "fixed_no_merge"}  # the decode kernel alone, without the split merge after it
+
+
+class KernelOnly(Version):
+    """A Version that launches the decode kernel and not the split merge."""
+
+    def __call__(self):
+        self.launch.run(self.out, self.part_o, self.part_lse, self.split_size, self.num_splits)
+        return self.out
 
 
 def ablated_source(edits: list[str]) -> str:
@@ -69,22 +96,49 @@ def ablated_module(name: str, edits: list[str], out_dir: str):
     return load_module(name, path)
 
 
+def profile(mod, k_outliers, model: str, ctx: int, batch: int, calls: int = 4) -> None:
+    """One variant on one case (random pages over a shuffled cache, as bench/profile_decode.py's),
+    called a few times for a profiler to look at."""
+    hq, hk = MODELS[model]
+    table, nb = shuffled_tables(batch, ctx, torch.Generator().manual_seed(0))
+    kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
+    q = torch.randn(batch, hq, HEAD_DIM, device="cuda").bfloat16()
+    sl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    run = Version(mod, q, kp, vp, table, sl, HEAD_DIM ** -0.5, ctx, k_outliers=k_outliers, maxnreg=128)
+    for _ in range(calls):
+        run()
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_case_args(ap, rounds=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="which, comma-separated (full is always run)")
+    ap.add_argument("--profile", default=None, choices=list(VARIANTS),
+                    help="run this variant on one case (--model, the first of --contexts and --batches) and exit")
+    ap.add_argument("--model", default="8B", choices=list(MODELS), help="--profile's shape")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
-    mods = {n: ablated_module(n, edits, tmp) for n, (edits, _) in VARIANTS.items()}
+    if args.profile:
+        edits, k_outliers = VARIANTS[args.profile]
+        profile(ablated_module(args.profile, edits, tmp), k_outliers, args.model,
+                int(args.contexts.split(",")[0]), int(args.batches.split(",")[0]))
+        return
+    names = ["full"] + [n for n in args.variants.split(",") if n != "full"]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    mods = {n: ablated_module(n, VARIANTS[n][0], tmp) for n in names}
     copy_bw = copy_bandwidth()
     results = run_info(copy_GBps=copy_bw / 1e9, rows=[])
-    names = list(VARIANTS)
     for row, q, table, sl, scale, nb in decode_cases([int(c) for c in args.contexts.split(",")],
                                                      [int(b) for b in args.batches.split(",")]):
         hk = MODELS[row["model"]][1]
         kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
         # every variant capped at 128 registers, the kernel's own count, so that all run 4 programs per SM
         # (without the cap the ablated copies take up to 168 and fewer programs fit)
-        runs = {n: Version(mods[n], q, kp, vp, table, sl, scale, row["ctx"], k_outliers=VARIANTS[n][1], maxnreg=128)
+        runs = {n: (KernelOnly if n in NO_MERGE else Version)(mods[n], q, kp, vp, table, sl, scale, row["ctx"],
+                                                              k_outliers=VARIANTS[n][1], maxnreg=128)
                 for n in names}
         best = {n: float("inf") for n in names}
         for _ in range(args.rounds):
