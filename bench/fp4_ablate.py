@@ -22,9 +22,11 @@ module, or the same module launched differently):
                   only the code bytes' 16- and 8-byte copies, 128 of the 150 bytes per token and KV
                   head, so the memory path's cost with and without the 4-byte copies
   fixed           no tile attended (the split's loop and ring skipped): the launch, the query's loads and
-                  scratch, the epilogue's stores and the split merge, what a call costs whatever its length
+                  scratch, the epilogue's stores and the split merge: what the call's grid costs with no
+                  tile attended (it grows with the number of programs, which the planner sets from the length)
   no_merge, fixed_no_merge
-                  full and fixed without the split merge kernel that follows the decode kernel
+                  full and fixed without the split merge kernel that follows the decode kernel (every
+                  case timed has more than one split; with one there is no merge to leave out)
 Each row also has SDPA bf16 (bench/kernels.py's timing) and the time to read the fp4 cache once at
 the measured copy rate (`floor`: all 150 bytes per token and KV head, outlier slots included, also
 for the variants that do not read them). CUDA-graph replay medians, variants alternated --rounds
@@ -96,7 +98,7 @@ def ablated_module(name: str, edits: list[str], out_dir: str):
     return load_module(name, path)
 
 
-def profile(mod, k_outliers, model: str, ctx: int, batch: int, calls: int = 4) -> None:
+def profile(name: str, mod, model: str, ctx: int, batch: int, calls: int = 4) -> None:
     """One variant on one case (random pages over a shuffled cache, as bench/profile_decode.py's),
     called a few times for a profiler to look at."""
     hq, hk = MODELS[model]
@@ -104,7 +106,8 @@ def profile(mod, k_outliers, model: str, ctx: int, batch: int, calls: int = 4) -
     kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
     q = torch.randn(batch, hq, HEAD_DIM, device="cuda").bfloat16()
     sl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    run = Version(mod, q, kp, vp, table, sl, HEAD_DIM ** -0.5, ctx, k_outliers=k_outliers, maxnreg=128)
+    run = (KernelOnly if name in NO_MERGE else Version)(mod, q, kp, vp, table, sl, HEAD_DIM ** -0.5, ctx,
+                                                          k_outliers=VARIANTS[name][1], maxnreg=128)
     for _ in range(calls):
         run()
     torch.cuda.synchronize()
@@ -120,8 +123,7 @@ def main() -> None:
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
     if args.profile:
-        edits, k_outliers = VARIANTS[args.profile]
-        profile(ablated_module(args.profile, edits, tmp), k_outliers, args.model,
+        profile(args.profile, ablated_module(args.profile, VARIANTS[args.profile][0], tmp), args.model,
                 int(args.contexts.split(",")[0]), int(args.batches.split(",")[0]))
         return
     names = ["full"] + [n for n in args.variants.split(",") if n != "full"]
