@@ -48,7 +48,7 @@ sys.path.insert(0, ROOT)
 
 from bench.fp4_ab import Version, add_case_args, load_module, save_row  # noqa: E402
 from bench.kernels import (FORMATS, FP4_BYTES, HEAD_DIM, MODELS, bench, copy_bandwidth,  # noqa: E402
-                           decode_cases, random_fp4_pages, run_info, shuffled_tables)
+                           decode_cases, profile_case, random_fp4_pages, run_info)
 
 MODULE = os.path.join(ROOT, "app", "kernels", "decode_fp4_gluon.py")
 K_MOVES = '"mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;"'
@@ -98,16 +98,18 @@ def ablated_module(name: str, edits: list[str], out_dir: str):
     return load_module(name, path)
 
 
+def make_run(name: str, mod, q, kp, vp, table, sl, scale: float, ctx: int) -> Version:
+    """Variant `name`'s decode on one case (its module, its key outlier slots, capped at 128 registers;
+    the kernel alone for the NO_MERGE variants)."""
+    return (KernelOnly if name in NO_MERGE else Version)(mod, q, kp, vp, table, sl, scale, ctx,
+                                                         k_outliers=VARIANTS[name][1], maxnreg=128)
+
+
 def profile(name: str, mod, model: str, ctx: int, batch: int, calls: int = 4) -> None:
-    """One variant on one case (random pages over a shuffled cache, as bench/profile_decode.py's),
-    called a few times for a profiler to look at."""
-    hq, hk = MODELS[model]
-    table, nb = shuffled_tables(batch, ctx, torch.Generator().manual_seed(0))
-    kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
-    q = torch.randn(batch, hq, HEAD_DIM, device="cuda").bfloat16()
-    sl = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    run = (KernelOnly if name in NO_MERGE else Version)(mod, q, kp, vp, table, sl, HEAD_DIM ** -0.5, ctx,
-                                                          k_outliers=VARIANTS[name][1], maxnreg=128)
+    """One variant on one case (bench/kernels.profile_case, as bench/profile_decode.py's), called a few
+    times for a profiler to look at."""
+    q, kp, vp, table, sl = profile_case(model, ctx, batch)
+    run = make_run(name, mod, q, kp, vp, table, sl, HEAD_DIM ** -0.5, ctx)
     for _ in range(calls):
         run()
     torch.cuda.synchronize()
@@ -139,9 +141,7 @@ def main() -> None:
         kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
         # every variant capped at 128 registers, the kernel's own count, so that all run 4 programs per SM
         # (without the cap the ablated copies take up to 168 and fewer programs fit)
-        runs = {n: (KernelOnly if n in NO_MERGE else Version)(mods[n], q, kp, vp, table, sl, scale, row["ctx"],
-                                                              k_outliers=VARIANTS[n][1], maxnreg=128)
-                for n in names}
+        runs = {n: make_run(n, mods[n], q, kp, vp, table, sl, scale, row["ctx"]) for n in names}
         best = {n: float("inf") for n in names}
         for _ in range(args.rounds):
             for n in names:

@@ -120,6 +120,17 @@ def random_fp4_pages(num_blocks: int, heads: int, fmt: fp4.FP4Format) -> fp4.FP4
     )
 
 
+def profile_case(model: str, ctx: int, batch: int):
+    """One decode case for a profiler: (query, K pages, V pages, shuffled block table, lengths), random
+    valid fp4 encodings in the engine's default formats, every sequence `ctx` long."""
+    hq, hk = MODELS[model]
+    table, nb = shuffled_tables(batch, ctx, torch.Generator().manual_seed(0))
+    kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
+    q = torch.randn(batch, hq, HEAD_DIM, device=DEV).bfloat16()
+    sl = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    return q, kp, vp, table, sl
+
+
 def realistic(batch: int, ctx: int, heads: int, gen_seed: int):
     """Keys with a few massive channels and Gaussian values, contiguous [batch, ctx, heads, D]."""
     g = torch.Generator(device=DEV).manual_seed(gen_seed)

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernels import FORMATS, HEAD_DIM, MODELS, random_fp4_pages, shuffled_tables  # noqa: E402
+from kernels import FORMATS, HEAD_DIM, MODELS, profile_case  # noqa: E402
 
 from app.kernels.decode_attention import decode_attention  # noqa: E402
 
@@ -32,11 +32,7 @@ def main() -> None:
     ap.add_argument("--kernel", default="gluon", choices=["gluon", "triton"])
     ap.add_argument("--calls", type=int, default=4)
     args = ap.parse_args()
-    hq, hk = MODELS[args.model]
-    table, nb = shuffled_tables(args.batch, args.ctx, torch.Generator().manual_seed(0))
-    kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
-    q = torch.randn(args.batch, hq, HEAD_DIM, device="cuda").bfloat16()
-    sl = torch.full((args.batch,), args.ctx, dtype=torch.int32, device="cuda")
+    q, kp, vp, table, sl = profile_case(args.model, args.ctx, args.batch)
     kw = {"fp4_kernel": True} if args.kernel == "triton" else {"gluon": True}
     for _ in range(args.calls):
         decode_attention(q, kp, vp, table, sl, HEAD_DIM ** -0.5, args.ctx, FORMATS, **kw)
