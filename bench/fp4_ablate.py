@@ -2,7 +2,7 @@
 with a part taken out, side by side on one GPU (outputs of the ablated copies are wrong by design).
 
     python3 bench/fp4_ablate.py [--contexts 8192,32768] [--batches 1,8,32] [--rounds 3] [--json F]
-        [--variants full,bare,...]
+        [--variants full,bare,...] [--modules tree=app/kernels/decode_fp4_gluon.py,cand=bench/ab/x.py]
     ncu ... python3 bench/fp4_ablate.py --profile l2_bare [--model 8B --contexts 32768 --batches 32]
         (one variant, one case, a few calls and no timing: for a profiler)
 
@@ -27,7 +27,8 @@ module, or the same module launched differently):
   no_merge, fixed_no_merge
                   full and fixed without the split merge kernel that follows the decode kernel (every
                   case timed has more than one split; with one there is no merge to leave out)
-Each row also has SDPA bf16 (bench/kernels.py's timing) and the time to read the fp4 cache once at
+With --modules, every variant of every named copy of the module (the same textual edits must apply to
+each), named module:variant, alternated in one run. Each row also has SDPA bf16 (bench/kernels.py's timing) and the time to read the fp4 cache once at
 the measured copy rate (`floor`: all 150 bytes per token and KV head, outlier slots included, also
 for the variants that do not read them). CUDA-graph replay medians, variants alternated --rounds
 times per row, best of each kept; every variant compiled with at most 128 registers (4 programs per
@@ -80,29 +81,31 @@ class KernelOnly(Version):
         return self.out
 
 
-def ablated_source(edits: list[str]) -> str:
-    """decode_fp4_gluon.py's source with the named EDITS applied (each must match exactly once)."""
-    src = open(MODULE).read()
+def ablated_source(edits: list[str], path: str = MODULE) -> str:
+    """The module's source (decode_fp4_gluon.py or a copy) with the named EDITS applied (each must match
+    exactly once)."""
+    src = open(path).read()
     for e in edits:
         for old, new in EDITS[e]:
             if src.count(old) != 1:
-                raise ValueError(f"ablation {e}: expected one '{old}' in {MODULE}, found {src.count(old)}")
+                raise ValueError(f"ablation {e}: expected one '{old}' in {path}, found {src.count(old)}")
             src = src.replace(old, new)
     return src
 
 
-def ablated_module(name: str, edits: list[str], out_dir: str):
-    path = os.path.join(out_dir, f"decode_fp4_gluon_{name}.py")
+def ablated_module(name: str, edits: list[str], out_dir: str, source: str = MODULE):
+    path = os.path.join(out_dir, f"decode_fp4_gluon_{name.replace(':', '_')}.py")
     with open(path, "w") as f:
-        f.write(ablated_source(edits))
-    return load_module(name, path)
+        f.write(ablated_source(edits, source))
+    return load_module(name.replace(":", "_"), path)
 
 
 def make_run(name: str, mod, q, kp, vp, table, sl, scale: float, ctx: int) -> Version:
     """Variant `name`'s decode on one case (its module, its key outlier slots, capped at 128 registers;
-    the kernel alone for the NO_MERGE variants)."""
-    return (KernelOnly if name in NO_MERGE else Version)(mod, q, kp, vp, table, sl, scale, ctx,
-                                                         k_outliers=VARIANTS[name][1], maxnreg=128)
+    the kernel alone for the NO_MERGE variants); `name` may carry a module prefix (module:variant)."""
+    variant = name.split(":")[-1]
+    return (KernelOnly if variant in NO_MERGE else Version)(mod, q, kp, vp, table, sl, scale, ctx,
+                                                            k_outliers=VARIANTS[variant][1], maxnreg=128)
 
 
 def profile(name: str, mod, model: str, ctx: int, batch: int, calls: int = 4) -> None:
@@ -122,17 +125,25 @@ def main() -> None:
     ap.add_argument("--profile", default=None, choices=list(VARIANTS),
                     help="run this variant on one case (--model, the first of --contexts and --batches) and exit")
     ap.add_argument("--model", default="8B", choices=list(MODELS), help="--profile's shape")
+    ap.add_argument("--modules", default=None,
+                    help="name=file,...: ablate each of these copies of the module (default: the tree's alone)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
     if args.profile:
         profile(args.profile, ablated_module(args.profile, VARIANTS[args.profile][0], tmp), args.model,
                 int(args.contexts.split(",")[0]), int(args.batches.split(",")[0]))
         return
-    names = ["full"] + [n for n in args.variants.split(",") if n != "full"]
-    unknown = [n for n in names if n not in VARIANTS]
+    variants = ["full"] + [n for n in args.variants.split(",") if n != "full"]
+    unknown = [n for n in variants if n not in VARIANTS]
     if unknown:
         ap.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
-    mods = {n: ablated_module(n, VARIANTS[n][0], tmp) for n in names}
+    if args.modules:  # module:variant for every named copy
+        sources = dict(item.split("=", 1) for item in args.modules.split(","))
+        mods = {f"{m}:{v}": ablated_module(f"{m}:{v}", VARIANTS[v][0], tmp, src)
+                for m, src in sources.items() for v in variants}
+    else:
+        mods = {v: ablated_module(v, VARIANTS[v][0], tmp) for v in variants}
+    names = list(mods)
     copy_bw = copy_bandwidth()
     results = run_info(copy_GBps=copy_bw / 1e9, rows=[])
     for row, q, table, sl, scale, nb in decode_cases([int(c) for c in args.contexts.split(",")],
@@ -153,10 +164,10 @@ def main() -> None:
             row[f"{n}_splits"] = runs[n].num_splits
         del kp, vp, runs
         save_row(results, row, args.json)
-    print(f"\ncopy {copy_bw / 1e9:.0f} GB/s; times in ms, share of full's time in parentheses")
+    print(f"\ncopy {copy_bw / 1e9:.0f} GB/s; times in ms, share of {names[0]}'s time in parentheses")
     print("| model | ctx | batch | SDPA | floor | " + " | ".join(names) + " |")
     for r in results["rows"]:
-        full = r["full_ms"]
+        full = r[f"{names[0]}_ms"]
         print(f"| {r['model']} | {r['ctx']} | {r['batch']} | {r['sdpa_ms']:.4f} | {r['floor_ms']:.4f} | "
               + " | ".join(f"{r[f'{n}_ms']:.4f} ({r[f'{n}_ms'] / full:.2f})" for n in names) + " |")
 
