@@ -35,22 +35,31 @@ SHAPES = {"8B": (8, 4), "70B-TP8": (1, 8)}  # (KV heads, query heads per KV head
 
 
 def sass_loop(cubin: str, bin_dir: str) -> tuple[str, list[str]]:
-    """(resource line, opcodes of the largest loop) of a cubin."""
+    """(resource line, opcodes of the main loop: loop_ops) of a cubin."""
     res = subprocess.run([f"{bin_dir}/cuobjdump", "-res-usage", cubin], capture_output=True, text=True,
                          check=True).stdout.strip().splitlines()[-1]
     sass = subprocess.run([f"{bin_dir}/cuobjdump", "-sass", cubin], capture_output=True, text=True,
                           check=True).stdout
+    return res, loop_ops(sass)
+
+
+def loop_ops(sass: str) -> list[str]:
+    """Opcodes of the largest loop in a SASS listing (cuobjdump -sass): the largest with MMA instructions
+    if any has them (in a warp-specialized kernel, the attending warps' loop rather than the producer's).
+    A backward branch whose range holds an EXIT is not a loop of the kernel's body: ptxas puts the retry
+    of an mbarrier wait out of line, after the kernel's exits, and branches back from there."""
     ins = [(int(m.group(1), 16), m.group(2).strip())
            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-    best: list[str] = []
+    loops: list[list[str]] = []
     for addr, text in ins:
         m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
-            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            if len(body) > len(best):
-                best = body
-    ops = [re.sub(r"^@!?U?P[T0-9]+\s+", "", t).split()[0].split(".")[0] for t in best]
-    return res, ops
+            body = [re.sub(r"^@!?U?P[T0-9]+\s+", "", t).split()[0].split(".")[0]
+                    for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            if "EXIT" not in body:
+                loops.append(body)
+    with_mma = [ops for ops in loops if "HMMA" in ops]
+    return max(with_mma or loops, key=len, default=[])
 
 
 def compile_kernel(fn, sig: dict, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None,

@@ -109,6 +109,40 @@ def test_num_stages_other_than_0_or_a_power_of_two_is_refused():
         assert decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, stages=stages).constexprs["STAGES"] == expect
 
 
+def test_sass_loop_count_takes_the_attending_loop(monkeypatch):
+    """bench/kernel_sass.py counts the kernel's main loop in a SASS listing: the largest backward
+    branch's range, but not one that holds the kernel's EXIT (ptxas puts an mbarrier wait's retry out
+    of line, after the exits, branching back into the body: counted, that range was the whole kernel)
+    and, in a warp-specialized kernel, the loop with the MMAs rather than a larger producer loop."""
+    monkeypatch.syspath_prepend(REPO)
+    from bench.kernel_sass import loop_ops
+
+    listing = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   UTMALDG.3D [UR8], [UR4] ;
+        /*0020*/                   LDGSTS [R2], desc[UR6][R4.64] ;
+        /*0030*/                   IADD3 R0, R0, 0x1, RZ ;
+        /*0040*/                   ISETP.GE.AND P0, PT, R0, R3, PT ;
+        /*0050*/                   SYNCS.ARRIVE.TRANS64 RZ, [UR10], RZ ;
+        /*0060*/              @!P0 BRA `(.L_x_1) 0x10 ;
+        /*0070*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR12], R5 ;
+        /*0080*/              @!P1 BRA `(.L_x_9) 0x100 ;
+        /*0090*/                   HMMA.16816.F32 R8, R12, R16, R8 ;
+        /*00a0*/                   FMUL R6, R6, R7 ;
+        /*00b0*/              @!P2 BRA `(.L_x_2) 0x70 ;
+        /*00c0*/                   STG.E [R2.64], R6 ;
+        /*00d0*/                   EXIT ;
+        /*00e0*/                   BRA 0xe0 ;
+        /*0100*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR12], R5 ;
+        /*0110*/              @!P1 BRA `(.L_x_9) 0x100 ;
+        /*0120*/                   BRA `(.L_x_3) 0x90 ;
+"""
+    assert loop_ops(listing) == ["SYNCS", "BRA", "HMMA", "FMUL", "BRA"]
+    # without the MMA loop, the largest loop whose range holds no EXIT
+    no_mma = listing.replace("HMMA.16816.F32 R8, R12, R16, R8", "FADD R8, R8, R9")
+    assert loop_ops(no_mma) == ["UTMALDG", "LDGSTS", "IADD3", "ISETP", "SYNCS", "BRA"]
+
+
 def test_the_ablation_benchmark_still_applies_to_the_kernel(monkeypatch):
     """bench/fp4_ablate.py times copies of the kernel with parts taken out by textual edits of this
     module; each edit must match exactly once (else the copy would time something else), the copies
