@@ -27,12 +27,12 @@ module, or the same module launched differently):
   no_merge, fixed_no_merge
                   full and fixed without the split merge kernel that follows the decode kernel (every
                   case timed has more than one split; with one there is no merge to leave out)
-With --modules, every variant of every named copy of the module (the same textual edits must apply to
-each), named module:variant, alternated in one run. Each row also has SDPA bf16 (bench/kernels.py's timing) and the time to read the fp4 cache once at
-the measured copy rate (`floor`: all 150 bytes per token and KV head, outlier slots included, also
-for the variants that do not read them). CUDA-graph replay medians, variants alternated --rounds
-times per row, best of each kept; every variant compiled with at most 128 registers (4 programs per
-SM).
+With --modules, every variant of every named copy of the module (the same textual edits must apply
+to each), named module:variant, alternated in one run. Each row also has SDPA bf16
+(bench/kernels.py's timing) and the time to read the fp4 cache once at the measured copy rate
+(`floor`: all 150 bytes per token and KV head, outlier slots included, also for the variants that do
+not read them). CUDA-graph replay medians, variants alternated --rounds times per row, best of each
+kept; every variant compiled with at most 128 registers (4 programs per SM).
 """
 
 from __future__ import annotations

@@ -143,6 +143,30 @@ def test_sass_loop_count_takes_the_attending_loop(monkeypatch):
     assert loop_ops(no_mma) == ["UTMALDG", "LDGSTS", "IADD3", "ISETP", "SYNCS", "BRA"]
 
 
+def test_ncu_summary_takes_the_same_main_loop(monkeypatch, tmp_path, capsys):
+    """bench/ncu_source.py splits a profile's samples before, in and after the main loop, taken as
+    bench/kernel_sass.loop_ops takes it (not a range with the kernel's EXIT, the MMA loop first)."""
+    import csv
+
+    monkeypatch.syspath_prepend(REPO)
+    from bench import ncu_source
+
+    code = [("0000", "MOV R1, c[0x0][0x28]"), ("0010", "UTMALDG.3D [UR8], [UR4]"), ("0020", "IADD3 R0, R0, 0x1, RZ"),
+            ("0030", "@!P0 BRA `(.L_x_1) 0x10"), ("0040", "HMMA.16816.F32 R8, R12, R16, R8"),
+            ("0050", "@!P2 BRA `(.L_x_2) 0x40"), ("0060", "EXIT"),
+            ("0070", "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR12], R5"), ("0080", "BRA `(.L_x_3) 0x40")]
+    samples = [1, 1, 1, 1, 6, 2, 1, 3, 0]
+    path = tmp_path / "prof.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_wait"])
+        for (a, src), n in zip(code, samples):
+            w.writerow([a, src, n, n])
+    monkeypatch.setattr("sys.argv", ["ncu_source.py", str(path)])
+    ncu_source.main()
+    assert "main loop: 2 instructions; samples before 25.0%, in 50.0%, after 25.0%" in capsys.readouterr().out
+
+
 def test_the_ablation_benchmark_still_applies_to_the_kernel(monkeypatch):
     """bench/fp4_ablate.py times copies of the kernel with parts taken out by textual edits of this
     module; each edit must match exactly once (else the copy would time something else), the copies
