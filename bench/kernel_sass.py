@@ -43,23 +43,39 @@ def sass_loop(cubin: str, bin_dir: str) -> tuple[str, list[str]]:
     return res, loop_ops(sass)
 
 
+def opcode(text: str) -> str:
+    """An instruction's opcode without its predicate and modifiers ("@!P0 BRA `(.L_x_1) 0x10" -> "BRA")."""
+    return re.sub(r"^@!?U?P[T0-9]+\s+", "", text.strip()).split()[0].split(".")[0]
+
+
+def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int] | None:
+    """Index range (first, last) of the main loop in a listing of (address, instruction) in address
+    order (cuobjdump -sass, or ncu's source page): the largest backward branch's range, the largest
+    with MMA instructions if any has them (in a warp-specialized kernel, the attending warps' loop
+    rather than the producer's). A range that holds an EXIT is not a loop of the kernel's body: ptxas
+    puts the retry of an mbarrier wait out of line, after the kernel's exits, and branches back."""
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    ops = [opcode(t) for _, t in ins]
+    loops = []
+    for i, (addr, text) in enumerate(ins):
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
+            j = index[int(m.group(1), 16)]
+            if "EXIT" not in ops[j:i + 1]:
+                loops.append((j, i, "HMMA" in ops[j:i + 1]))
+    loops = [lp for lp in loops if lp[2]] or loops
+    if not loops:
+        return None
+    j, i, _ = max(loops, key=lambda lp: lp[1] - lp[0])
+    return j, i
+
+
 def loop_ops(sass: str) -> list[str]:
-    """Opcodes of the largest loop in a SASS listing (cuobjdump -sass): the largest with MMA instructions
-    if any has them (in a warp-specialized kernel, the attending warps' loop rather than the producer's).
-    A backward branch whose range holds an EXIT is not a loop of the kernel's body: ptxas puts the retry
-    of an mbarrier wait out of line, after the kernel's exits, and branches back from there."""
+    """Opcodes of the main loop (main_loop) in a SASS listing (cuobjdump -sass)."""
     ins = [(int(m.group(1), 16), m.group(2).strip())
            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-    loops: list[list[str]] = []
-    for addr, text in ins:
-        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            body = [re.sub(r"^@!?U?P[T0-9]+\s+", "", t).split()[0].split(".")[0]
-                    for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            if "EXIT" not in body:
-                loops.append(body)
-    with_mma = [ops for ops in loops if "HMMA" in ops]
-    return max(with_mma or loops, key=len, default=[])
+    span = main_loop(ins)
+    return [] if span is None else [opcode(t) for _, t in ins[span[0]:span[1] + 1]]
 
 
 def compile_kernel(fn, sig: dict, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None,

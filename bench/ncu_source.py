@@ -12,8 +12,8 @@ On the GPU machine (bench/profile_decode.py runs one decode a few times):
 then anywhere: python bench/ncu_source.py prof.csv [--top 25]
 
 Prints the stall reasons over all samples, the share of samples before, inside and after the main
-loop (the largest backward branch without the kernel's EXIT in its range, among those with MMAs if
-any: bench/kernel_sass.loop_ops), the instructions with the most samples and their main reasons,
+loop (bench/kernel_sass.main_loop: the largest backward branch without the kernel's EXIT in its
+range, among those with MMAs if any), the instructions with the most samples and their main reasons,
 and the global and shared accesses by sectors / wavefronts with their ideal fraction.
 """
 
@@ -22,7 +22,12 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
-import re
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.kernel_sass import main_loop, opcode  # noqa: E402
 
 
 def number(x: str) -> float:
@@ -53,30 +58,17 @@ def main() -> None:
     for k, v in sorted(by_reason.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {k[6:]:20s} {100 * v / total:5.1f}%")
 
-    # the main loop as bench/kernel_sass.loop_ops takes it: no EXIT in its range (out-of-line mbarrier
-    # retries branch back from after the exits), the largest with MMAs if any has them
-    addr = [int(d["Address"], 16) for d in data]
-    ops = [re.sub(r"^@!?U?P[T0-9]+\s+", "", d["Source"].strip()).split(" ")[0].split(".")[0] for d in data]
-    loops = []
-    for i, d in enumerate(data):
-        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", d["Source"])
-        if m and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in addr:
-            j = addr.index(int(m.group(1), 16))
-            if "EXIT" not in ops[j:i + 1]:
-                loops.append((i - j, j, i, "HMMA" in ops[j:i + 1]))
-    loops = [lp for lp in loops if lp[3]] or loops
-    if loops:
-        _, j, i, _ = max(loops)
+    span = main_loop([(int(d["Address"], 16), d["Source"]) for d in data])
+    if span:
+        j, i = span
         part = [sum(number(d[samples]) for d in seg) for seg in (data[:j], data[j:i + 1], data[i + 1:])]
         print(f"main loop: {i - j + 1} instructions; samples before {100 * part[0] / total:.1f}%, "
               f"in {100 * part[1] / total:.1f}%, after {100 * part[2] / total:.1f}%")
 
     by_op = collections.Counter()
     for d in data:
-        words = d["Source"].split()
-        if words:
-            op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
-            by_op[op.split(".")[0]] += number(d[samples])
+        if d["Source"].strip():
+            by_op[opcode(d["Source"])] += number(d[samples])
     print("samples by opcode: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in by_op.most_common(12)))
 
     print(f"top {args.top} instructions (share of samples, main reasons):")
