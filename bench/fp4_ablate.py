@@ -94,10 +94,11 @@ def ablated_source(edits: list[str], path: str = MODULE) -> str:
 
 
 def ablated_module(name: str, edits: list[str], out_dir: str, source: str = MODULE):
-    path = os.path.join(out_dir, f"decode_fp4_gluon_{name.replace(':', '_')}.py")
+    name = name.replace(":", "_")  # module:variant, as a file and module name
+    path = os.path.join(out_dir, f"decode_fp4_gluon_{name}.py")
     with open(path, "w") as f:
         f.write(ablated_source(edits, source))
-    return load_module(name.replace(":", "_"), path)
+    return load_module(name, path)
 
 
 def make_run(name: str, mod, q, kp, vp, table, sl, scale: float, ctx: int) -> Version:
@@ -128,6 +129,8 @@ def main() -> None:
     ap.add_argument("--modules", default=None,
                     help="name=file,...: ablate each of these copies of the module (default: the tree's alone)")
     args = ap.parse_args()
+    if args.profile and args.modules:
+        ap.error("--profile runs the tree's module; it does not take --modules")
     tmp = tempfile.mkdtemp()
     if args.profile:
         profile(args.profile, ablated_module(args.profile, VARIANTS[args.profile][0], tmp), args.model,
