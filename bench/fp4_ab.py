@@ -84,7 +84,7 @@ class Version:
         self.launch = mod.Launch(q, kp, vp, table, sl, scale * LOG2E, outliers, **cap)
         tile = mod.W * mod.TW
         ns = num_splits_for(q.shape[0], kp.codes.shape[2], ctx, q.device, tile, self.launch.programs_per_sm(),
-                            whole_waves=True)
+                            fp4_rule=True)
         self.split_size, self.num_splits, self.out, self.part_o, self.part_lse = _split_buffers(q, ctx, ns, tile, None)
 
     def __call__(self):

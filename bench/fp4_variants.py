@@ -99,7 +99,7 @@ def decode(results: dict, copy_bw: float, contexts, batches, names, save=lambda:
             # the default's kernel and its split merge, apart
             launch = decode_fp4_gluon.Launch(q, kp, vp, table, sl, scale * 1.4426950408889634,
                                              FORMATS[0].outliers)
-            ns = num_splits_for(batch, hk, ctx, DEV, GLUON_TILE, launch.programs_per_sm(), whole_waves=True)
+            ns = num_splits_for(batch, hk, ctx, DEV, GLUON_TILE, launch.programs_per_sm(), fp4_rule=True)
             split_size, ns, out, part_o, part_lse = _split_buffers(q, ctx, ns, GLUON_TILE, None)
             row["default_num_splits"] = ns
             row["default_kernel_only_ms"] = bench(lambda: launch.run(out, part_o, part_lse, split_size, ns))

@@ -280,7 +280,7 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
             note_gluon_resources(results, decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers,
                                                                   stages=stages))
         row["fp4_gluon_programs_per_sm"] = pps
-        row["fp4_num_splits"] = num_splits_for(batch, hk, ctx, DEV, GLUON_TILE, pps, whole_waves=True)
+        row["fp4_num_splits"] = num_splits_for(batch, hk, ctx, DEV, GLUON_TILE, pps, fp4_rule=True)
         # the Triton fp4 kernel (the default before decode_fp4_gluon) on the same pages
         row["fp4_triton_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
                                                               fp4_kernel=True))
@@ -296,7 +296,7 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
             variants = dict(TUNE_VARIANTS)
             for pps in (2, 3, 4, 5, 6, 8):  # the Gluon kernel's split rule for other program counts per SM
                 variants[f"gluon_splits_{pps}_per_sm"] = {"num_splits": num_splits_for(
-                    batch, hk, ctx, DEV, GLUON_TILE, programs_per_sm=pps, whole_waves=True)}
+                    batch, hk, ctx, DEV, GLUON_TILE, programs_per_sm=pps, fp4_rule=True)}
 
             for name, kw in variants.items():
                 row[f"fp4_{name}_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,

@@ -15,10 +15,10 @@ around the fp4 unpack; its docstring says how, `unsupported` says what it needs)
 V pages run _decode_fp4_kernel, the same algorithm arranged around the unpack in plain Triton (also
 what the CPU tests interpret); every other combination runs _decode_kernel.
 
-Speed (bench/RESULTS.md, H200, "fp4 decode, fourth pass"): bf16 pages run within 3-12% of torch
-SDPA on contiguous K/V for the Llama-3.1-8B shape from 8k context and batch 8; fp4 pages (Gluon)
-1.35-1.59x faster than SDPA there (70B at TP 8: 0.97-1.62x), 1.46-1.90x the Triton fp4 kernel
-for 8B (1.11-1.99x for 70B), bound by instruction issue on the integer pipe rather than bytes
+Speed (bench/RESULTS.md, H200): bf16 pages run within 3-12% of torch SDPA on contiguous K/V for the
+Llama-3.1-8B shape from 8k context and batch 8 ("fp4 decode, fourth pass"); fp4 pages (Gluon)
+1.46-1.67x faster than SDPA at 8k-32k and batch 8-32 (70B at TP 8: 1.11-1.58x; issue 19's
+fourteenth step, with fp4_splits' split counts), bound by instruction issue rather than bytes
 (bench/kernel_sass.py counts the loop's instructions without a GPU).
 """
 
@@ -36,10 +36,23 @@ from app.kernels.fp4 import FP4Format
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # fewer tokens per split than this and the merge costs more than it gains
-# The fp4 kernel's splits are at least this long where that still leaves a program for half the SMs:
-# its programs' fixed costs (ring fill, the tile pipeline's latency) make 4-tile splits slower than
-# fewer programs of 8 tiles (bench/RESULTS.md, issue 19's eighth step).
-LONG_SPLIT_TOKENS = 512
+# The fp4 kernels' splits are at least the longest of these that still leaves a program for half the
+# SMs: their programs' fixed costs (ring fill, the tile pipeline's latency) make 4-tile splits slower
+# than fewer programs of 8 tiles where the SMs stay busy (bench/RESULTS.md, issue 19's eighth step),
+# and with one KV head at batch 1-2 (70B at TP 8) 2-tile splits beat 4-tile ones once the split merge
+# takes one load (0.94x the time at 8k, batch 1; fourteenth step).
+FP4_SPLIT_TOKENS = (512, 256, 128)
+# Among the split counts that rule allows, the fp4 kernels take the cheapest by the busiest SM's work:
+# its programs x (tokens per split x the per-token slowdown when fewer programs share the SM than it has
+# slots + a fixed cost per program). Fitted on the H200's sweep of split counts (bench/RESULTS.md, issue
+# 19's fourteenth step): a program costs about 160 tokens' time whatever its length (the query and its
+# scratch, the ring's fill, the warps' merge, the partial result), and a token takes 1.12x as long with
+# 2 programs on an SM as with 4 (1.03x with 3; alone, 1.5x). So at 70B TP 8, batch 32, 8k context 256
+# programs of 1024 tokens (2 per SM) beat 512 of 512 (4 per SM) by 7%, while at 8B, batch 8, 32k, where
+# programs are 4096 tokens long, 4 per SM still win by 12%. The slowdowns were measured with 4 program
+# slots per SM and are used as they are for kernels with fewer.
+PROGRAM_COST_TOKENS = 160
+SHARED_SM_SLOWDOWN = {1: 1.5, 2: 1.12, 3: 1.03}  # programs on an SM (fewer than its slots) -> per-token cost
 
 
 @triton.jit
@@ -241,15 +254,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                   block_n: int, programs_per_sm: int = 2, whole_waves: bool = False) -> int:
-    """How many splits of the KV range: no split shorter than MIN_SPLIT_TOKENS, at most 256.
-    Default: about programs_per_sm x SMs (KV head, sequence, split) programs in all. whole_waves
-    (the fp4 kernel, programs_per_sm of which run at once on an SM): the fewest splits within 3% of
-    the least waves x tokens per split, so that the grid fills whole waves of the SMs' program slots
-    (a grid of 1.45 waves lost 16% at Llama-3.1-8B batch 32 in bench/RESULTS.md)."""
+                   block_n: int, programs_per_sm: int = 2, fp4_rule: bool = False) -> int:
+    """How many splits of the KV range, at most 256. Default: about programs_per_sm x SMs (KV head,
+    sequence, split) programs in all, no split shorter than MIN_SPLIT_TOKENS. fp4_rule (the fp4
+    kernels, programs_per_sm of which run at once on an SM): fp4_splits, the cheapest count by the
+    busiest SM's work, splits of at least FP4_SPLIT_TOKENS' shortest."""
     sms = _num_sms(device)
-    if whole_waves:
-        return whole_wave_splits(num_seqs * num_kv_heads, max_seq_len, block_n, programs_per_sm, sms)
+    if fp4_rule:
+        return fp4_splits(num_seqs * num_kv_heads, max_seq_len, block_n, programs_per_sm, sms)
     most = most_splits(max_seq_len, block_n, MIN_SPLIT_TOKENS)
     want = triton.cdiv(programs_per_sm * sms, num_seqs * num_kv_heads)
     return max(1, min(want, most))
@@ -260,24 +272,35 @@ def most_splits(max_seq_len: int, block_n: int, shortest: int) -> int:
     return max(1, min(256, max_seq_len // max(shortest, block_n)))
 
 
-def whole_wave_splits(pairs: int, max_seq_len: int, block_n: int, programs_per_sm: int, sms: int) -> int:
-    """num_splits_for's whole_waves rule for `pairs` (sequence, KV head) pairs on `sms` SMs: splits of
-    LONG_SPLIT_TOKENS or more where pairs x that many splits is at least half the SMs (MIN_SPLIT_TOKENS
-    otherwise), at most 256, then the fewest that fill whole waves."""
-    most = most_splits(max_seq_len, block_n, LONG_SPLIT_TOKENS)
-    if pairs * most < sms // 2:
-        most = most_splits(max_seq_len, block_n, MIN_SPLIT_TOKENS)
-    return _fewest_splits_filling_waves(pairs, max(max_seq_len, 1), block_n, most, programs_per_sm * sms)
+def fp4_splits(pairs: int, max_seq_len: int, block_n: int, programs_per_sm: int, sms: int) -> int:
+    """num_splits_for's fp4 rule for `pairs` (sequence, KV head) pairs on `sms` SMs: at most the splits of
+    the longest of FP4_SPLIT_TOKENS for which pairs x that many splits is at least half the SMs (of the
+    shortest if none is), at most 256; of those, the fewest within 1% of the cheapest (split_cost)."""
+    for shortest in FP4_SPLIT_TOKENS:
+        most = most_splits(max_seq_len, block_n, shortest)
+        if pairs * most >= sms // 2:
+            break
+    return _cheapest_splits(pairs, max(max_seq_len, 1), block_n, most, programs_per_sm, sms)
+
+
+def split_cost(pairs: int, seq_len: int, block_n: int, splits: int, programs_per_sm: int, sms: int) -> float:
+    """The busiest SM's work, in tokens' time, for `splits` splits (rounded as the launcher rounds
+    them), each program PROGRAM_COST_TOKENS more whatever its length. Programs that fit the SM's slots
+    at once: each of them at the slowdown for that many (SHARED_SM_SLOWDOWN). More: whole waves of
+    programs_per_sm, a last partial wave costing a whole one (its programs start as earlier ones end,
+    not together; the rule this one replaced, waves x tokens per split, held there on the H200)."""
+    split, launched = split_plan(seq_len, splits, block_n)
+    on_sm = triton.cdiv(pairs * launched, sms)
+    if on_sm < programs_per_sm:
+        return on_sm * (split * SHARED_SM_SLOWDOWN.get(on_sm, 1.0) + PROGRAM_COST_TOKENS)
+    return triton.cdiv(on_sm, programs_per_sm) * programs_per_sm * (split + PROGRAM_COST_TOKENS)
 
 
 @functools.lru_cache(maxsize=4096)
-def _fewest_splits_filling_waves(pairs: int, seq_len: int, block_n: int, most: int, slots: int) -> int:
-    costs = []
-    for s in range(1, most + 1):
-        split = triton.cdiv(triton.cdiv(seq_len, s), block_n) * block_n  # as the launcher rounds it
-        costs.append(triton.cdiv(pairs * triton.cdiv(seq_len, split), slots) * split)  # waves x tokens
+def _cheapest_splits(pairs: int, seq_len: int, block_n: int, most: int, programs_per_sm: int, sms: int) -> int:
+    costs = [split_cost(pairs, seq_len, block_n, s, programs_per_sm, sms) for s in range(1, most + 1)]
     least = min(costs)
-    return next(s for s, c in enumerate(costs, 1) if c <= 1.03 * least)  # splits cost merges: the fewest
+    return next(s for s, c in enumerate(costs, 1) if c <= 1.01 * least)  # splits cost merges: the fewest
 
 
 def decode_attention(
@@ -350,7 +373,7 @@ def decode_attention(
                              num_splits, out, maxnreg, num_stages, fp16)
     if num_splits is None:
         num_splits = num_splits_for(num_seqs, num_kv_heads, max_seq_len, query.device, block_n,
-                                    max(1, 65536 // (cap * 32 * num_warps)) if capped else 2, whole_waves=both_fp4)
+                                    max(1, 65536 // (cap * 32 * num_warps)) if capped else 2, fp4_rule=both_fp4)
     split_size, num_splits, out, part_o, part_lse = _split_buffers(query, max_seq_len, num_splits, block_n, out)
     common = dict(
         H=num_kv_heads, GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=head_dim, BS=bs,
@@ -385,11 +408,18 @@ def _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_se
     tile = decode_fp4_gluon.W * decode_fp4_gluon.TW
     if num_splits is None:
         num_splits = num_splits_for(query.shape[0], k_pages.codes.shape[2], max_seq_len, query.device, tile,
-                                    launch.programs_per_sm(), whole_waves=True)
+                                    launch.programs_per_sm(), fp4_rule=True)
     split_size, num_splits, out, part_o, part_lse = _split_buffers(query, max_seq_len, num_splits, tile, out)
     launch.run(out, part_o, part_lse, split_size, num_splits)
     _merge_splits(part_o, part_lse, out, num_splits)
     return out
+
+
+def split_plan(max_seq_len: int, num_splits: int, tile: int) -> tuple[int, int]:
+    """(split_size, num_splits) as launched when `num_splits` are asked for: the split length rounded
+    up to whole tiles, and the count of splits that leaves."""
+    split_size = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), tile) * tile
+    return split_size, max(1, triton.cdiv(max_seq_len, split_size))
 
 
 def _split_buffers(query, max_seq_len: int, num_splits: int, tile: int, out):
@@ -397,8 +427,7 @@ def _split_buffers(query, max_seq_len: int, num_splits: int, tile: int, out):
     several splits the float32 partial outputs and log-sum-exps: (split_size, num_splits, out,
     part_o, part_lse); part_o and part_lse are `out` when unused."""
     num_seqs, num_heads, head_dim = query.shape
-    split_size = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), tile) * tile
-    num_splits = max(1, triton.cdiv(max_seq_len, split_size))
+    split_size, num_splits = split_plan(max_seq_len, num_splits, tile)
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     assert out.shape == query.shape and out.is_contiguous() and out.dtype == query.dtype
