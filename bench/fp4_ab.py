@@ -11,7 +11,8 @@ merge, on the same random pages and queries (bench/kernels.py's cases, SDPA bf16
 the versions are alternated `--rounds` times per row and the best of each kept (CUDA-graph replay
 medians). Each version's output is compared with the first's (max abs difference: 0 when a change
 only moves work around) and with float32 attention over the dequantized pages (worst relative error
-per (sequence, head)).
+per (sequence, head)). `--fraction F`: the sequences hold F of the context while the splits are
+planned for all of it, as a decode graph runs them (SDPA's column stays the whole context's).
 """
 
 from __future__ import annotations
@@ -97,6 +98,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", default=None, help="a git revision: its kernel module against this tree's")
     ap.add_argument("--modules", default=None, help="name=file,... (the first is the reference for equality)")
+    ap.add_argument("--fraction", type=float, default=1.0,
+                    help="sequences this fraction of the context long, splits planned for the whole context "
+                         "(as a decode graph plans for max_model_len)")
     add_case_args(ap, rounds=2)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
@@ -111,6 +115,9 @@ def main() -> None:
                                                      [int(b) for b in args.batches.split(",")]):
         ctx, hk = row["ctx"], MODELS[row["model"]][1]
         kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
+        if args.fraction != 1.0:
+            sl = torch.full_like(sl, max(1, int(args.fraction * ctx)))
+            row["seq_len"] = int(sl[0])
         versions = {n: Version(mods[n], q, kp, vp, table, sl, scale, ctx) for n in names}
         outs = {n: versions[n]().clone() for n in names}
         for n in names:  # run to run: a race would show here

@@ -62,7 +62,7 @@ EDITS = {
     "no_meta": [(f"_async_load({b}.index(stage), {src}, mc)", "pass") for b, src in
                 [("bks", "k1.to(i32) + rows_c"), ("bek", "k2.to(i32) + (rows_c >> 2)"),
                  ("bev", "v2.to(i32) + (rows_c >> 2)"), ("bsv", "v1.to(i32) + rows_c")]],
-    "no_tiles": [("end = gl.minimum(seq_len, start + split_size)", "end = gl.minimum(seq_len, start)")],
+    "no_tiles": [("end = gl.minimum(seq_len, start + split)", "end = gl.minimum(seq_len, start)")],
 }
 VARIANTS = {  # name -> (source edits, key outlier slots launched with)
     "full": ([], None), "no_outliers": ([], 0), "no_unpack": (["no_unpack"], None), "bare": (["no_unpack"], 0),

@@ -6,6 +6,11 @@ same count are listed without timing.
 
     python3 bench/fp4_splits.py --contexts 1024,8192,32768,65536 --batches 1,2,4,8,16,32,64
     python3 bench/fp4_splits.py --sweep --contexts 8192,32768 --batches 1,8,32 --json F
+    python3 bench/fp4_splits.py --fractions 0.125,0.25,0.5,1 --contexts 8192,32768,65536 --batches 1,4,8,32
+
+--fractions times the two rules' counts as a captured decode graph runs them: planned for the
+row's context (the engine plans its graphs for max_model_len) while the sequences hold only that
+fraction of it, rows where the counts differ only.
 
 --sweep times the default rule's split count against a grid of fixed counts instead (powers of two
 and their 1.5x, down to splits of one 64-token tile, and the whole-wave rule at 1-4 programs per
@@ -52,9 +57,12 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8,32")
     ap.add_argument("--sweep", action="store_true", help="the rule's split count against a grid of counts")
     ap.add_argument("--json", default=None, help="--sweep: every count's time per row, written after each row")
+    ap.add_argument("--fractions", default=None, help="planned for the context, sequences this long (fractions of it)")
     args = ap.parse_args()
     if args.sweep:
         return sweep(args)
+    if args.fractions:
+        return planned(args)
     warnings.filterwarnings("ignore")  # SDPA's note on GQA inputs, once per row
     sms = _num_sms(K.DEV)
     print("| model | ctx | batch | SDPA bf16 ms | splits (replaced rule) | ms | splits (default) | ms | "
@@ -81,6 +89,37 @@ def main() -> None:
             o, n, sdpa = min(times["old"]), min(times["new"]), row["sdpa_ms"]
             print(f"{head} {o:.4f} | {new} | {n:.4f} | {o / n:.3f}x | {sdpa / o:.2f}x | {sdpa / n:.2f}x |", flush=True)
         kp = vp = None  # free the pages before the next row
+        torch.cuda.empty_cache()
+
+
+def planned(args) -> None:
+    """--fractions: the rules' counts planned for the row's context, the sequences shorter."""
+    warnings.filterwarnings("ignore")
+    sms = _num_sms(K.DEV)
+    fractions = [float(f) for f in args.fractions.split(",")]
+    print("| model | planned ctx | batch | splits (replaced rule / default) | "
+          + " | ".join(f"{f:g} of it: replaced ms, default vs replaced" for f in fractions) + " |")
+    print("|---|---|---|---|" + "---|" * len(fractions))
+    for row, q, table, sl, scale, nb in K.decode_cases([int(c) for c in args.contexts.split(",")],
+                                                       [int(b) for b in args.batches.split(",")]):
+        hk = K.MODELS[row["model"]][1]
+        ctx, batch = row["ctx"], row["batch"]
+        kp, vp = K.random_fp4_pages(nb, hk, K.FORMATS[0]), K.random_fp4_pages(nb, hk, K.FORMATS[1])
+        pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, K.FORMATS[0].outliers).programs_per_sm()
+        new = split_plan(ctx, num_splits_for(batch, hk, ctx, K.DEV, K.GLUON_TILE, pps, fp4_rule=True), K.GLUON_TILE)[1]
+        old = split_plan(ctx, whole_wave_splits(batch * hk, ctx, K.GLUON_TILE, pps, sms), K.GLUON_TILE)[1]
+        cells = []
+        for f in (fractions if new != old else []):
+            short = torch.full_like(sl, max(1, int(f * ctx)))
+            times = {old: float("inf"), new: float("inf")}
+            for _ in range(2):
+                for s in (old, new):
+                    times[s] = min(times[s], K.bench(lambda: decode_attention(q, kp, vp, table, short, scale, ctx,
+                                                                              K.FORMATS, num_splits=s)))
+            cells.append(f"{times[old]:.4f}, {times[old] / times[new]:.3f}x")
+        if cells:
+            print(f"| {row['model']} | {ctx // 1024}k | {batch} | {old} / {new} | " + " | ".join(cells) + " |", flush=True)
+        kp = vp = None
         torch.cuda.empty_cache()
 
 

@@ -30,7 +30,9 @@ CASES = [
 ]
 
 
-def _run(name, seq_lens, num_kv_heads, group, head_dim, block_size, seed=0, block_n=128, **kw):
+def _run(name, seq_lens, num_kv_heads, group, head_dim, block_size, seed=0, block_n=128, plan=None, **kw):
+    """decode_attention against the reference; plan: the max_seq_len the splits are planned for
+    (default max(seq_lens))."""
     table, num_blocks = block_tables(seq_lens, block_size, seed)
     k_pages, v_pages, formats = random_pages(name, num_blocks, block_size, num_kv_heads, head_dim, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -38,8 +40,8 @@ def _run(name, seq_lens, num_kv_heads, group, head_dim, block_size, seed=0, bloc
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_dim ** -0.5
     out = torch.full_like(query, float("nan"))
-    decode_attention(query, k_pages, v_pages, table, lens, scale, max(seq_lens), formats, out=out, block_n=block_n,
-                     **kw)
+    decode_attention(query, k_pages, v_pages, table, lens, scale, plan or max(seq_lens), formats, out=out,
+                     block_n=block_n, **kw)
     ref = decode_attention_ref(query, k_pages, v_pages, table, lens, scale, formats)
     return out, ref
 
@@ -159,3 +161,20 @@ def test_the_split_benchmark_keeps_the_replaced_rule(pairs, seq_len, splits):
     assert whole_wave_splits(pairs, seq_len, 64, 4, 132) == splits
     counts = sweep_counts(seq_len, 64, splits, [])
     assert splits in counts and counts == sorted(set(counts)) and counts[0] == 1
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp4"])
+def test_a_sequence_shorter_than_the_plan_uses_every_split(name, monkeypatch):
+    """A decode planned for a longer max_seq_len than its sequences (a decode graph plans for
+    max_model_len) splits each sequence's own length: 4 splits planned for 4096 tokens, 128-token tiles,
+    a 1025-token sequence in 3 splits of 384 (not one of 1024, one of 1 and two empty); 17 tokens in one
+    split; the result as the reference."""
+    import app.kernels.decode_attention as da
+
+    seen = []
+    merge = da._merge_splits
+    monkeypatch.setattr(da, "_merge_splits", lambda o, lse, out, n: (seen.append(lse.clone()), merge(o, lse, out, n)))
+    out, ref = _run(name, [1025, 17], 1, 4, 64, 16, plan=4096, num_splits=4)
+    assert rel_err(out, ref) < 1e-2
+    (lse,) = seen  # [sequences, heads, splits]
+    assert lse.isfinite().sum(-1).tolist() == [[3] * 4, [1] * 4]

@@ -260,6 +260,31 @@ def test_ring_whole_tile_counts_on_gpu(stages, kv_heads, group):
 
 @on_gpu
 @needs_gluon
+@pytest.mark.parametrize("stages", [decode_fp4_gluon.STAGES, 0])
+def test_a_sequence_shorter_than_the_plan_uses_every_split_on_gpu(stages, monkeypatch):
+    """Planned for 8192 tokens in 4 splits (as a decode graph plans for max_model_len), a 1025-token
+    sequence runs 4 splits of 320 (5 tiles; not one of 2048 and three empty), 17 tokens one split,
+    4099 tokens 4 of 1088; the result as the reference."""
+    import app.kernels.decode_attention as da
+
+    seen = []
+    merge = da._merge_splits
+    monkeypatch.setattr(da, "_merge_splits", lambda o, lse, out, n: (seen.append(lse.clone()), merge(o, lse, out, n)))
+    seq_lens = [1025, 17, 4099]
+    table, kp, vp = cuda_fp4_pages(seq_lens, 2, 16, DEFAULT_FP4, seed=11)
+    query = torch.randn(len(seq_lens), 8, 128, device="cuda").bfloat16()
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out = torch.full_like(query, float("nan"))
+    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, 8192, DEFAULT_FP4, num_splits=4, out=out, gluon=True,
+                     num_stages=stages)
+    ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
+    assert _worst_rel_err(out, ref) < 1e-2
+    (lse,) = seen  # [sequences, heads, splits]
+    assert lse.isfinite().sum(-1).tolist() == [[4] * 8, [1] * 8, [4] * 8]
+
+
+@on_gpu
+@needs_gluon
 @pytest.mark.parametrize("fp16", [False, True])
 @pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 3)])
 @pytest.mark.parametrize("stages", [decode_fp4_gluon.STAGES, 0])

@@ -56,15 +56,18 @@ SHARED_SM_SLOWDOWN = {1: 1.5, 2: 1.12, 3: 1.03}  # programs on an SM (fewer than
 
 
 @triton.jit
-def _program_split(seq_lens_ptr, split_size):
+def _program_split(seq_lens_ptr, split_size, num_splits, BLOCK_N: tl.constexpr):
     """This program's KV head, sequence and split, and the split's token range [start, end) (empty
-    past the sequence's end); the grid is (KV heads, sequences, splits)."""
+    past the sequence's end); the grid is (KV heads, sequences, splits). Each sequence's own length
+    is split num_splits ways in whole tiles, no split longer than the plan's split_size, so that a
+    sequence shorter than the plan (a decode graph plans for max_model_len) keeps every program busy."""
     h = tl.program_id(0)
     b = tl.program_id(1)
     sp = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start = sp * split_size
-    return h, b, sp, start, tl.minimum(seq_len, start + split_size)
+    split = tl.minimum(split_size // BLOCK_N, tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N)) * BLOCK_N
+    start = sp * split
+    return h, b, sp, start, tl.minimum(seq_len, start + split)
 
 
 @triton.jit
@@ -78,7 +81,7 @@ def _decode_kernel(
     V_KIND: tl.constexpr, V_G: tl.constexpr, V_KO: tl.constexpr,
     DT: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISE: tl.constexpr, ASM: tl.constexpr,
 ):
-    h, b, sp, start, end = _program_split(seq_lens_ptr, split_size)
+    h, b, sp, start, end = _program_split(seq_lens_ptr, split_size, num_splits, BLOCK_N)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     g_mask = g < GROUP
@@ -132,7 +135,7 @@ def _decode_fp4_kernel(
     the PV product runs transposed, O^T [D/2, GP] = V^T P^T, which puts the freshly unpacked V tile
     in the tensor cores' register operand; key outliers add q[idx] * val to the scores, gathered
     once per real query head rather than per padded row."""
-    h, b, sp, start, end = _program_split(seq_lens_ptr, split_size)
+    h, b, sp, start, end = _program_split(seq_lens_ptr, split_size, num_splits, BLOCK_N)
     DH: tl.constexpr = D // 2
     g = tl.arange(0, GP)
     i = tl.arange(0, DH)

@@ -599,8 +599,14 @@ if AVAILABLE:
         b = gl.program_id(1)
         sp = gl.program_id(2)
         seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)  # the engine passes int64; the ring indexes stages by int32
-        start = sp * split_size
-        end = gl.minimum(seq_len, start + split_size)
+        # This sequence's own length in num_splits splits of whole tiles, none longer than the plan's
+        # split_size: a sequence shorter than the plan (a decode graph plans for max_model_len, or a
+        # short one beside long ones) keeps all its programs busy on shorter splits, not a few full
+        # splits and the rest empty.
+        tiles = gl.minimum(split_size // (WN * TW), ((seq_len + num_splits - 1) // num_splits + (WN * TW - 1)) // (WN * TW))
+        split = tiles * (WN * TW)  # written as a product so that the compiler knows it is whole tiles
+        start = sp * split
+        end = gl.minimum(seq_len, start + split)
         bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
         q_base = q_ptr + b.to(gl.int64) * stride_q_seq + (h * GROUP) * stride_q_head
         qt_base = qt_ptr + (b * H + h).to(gl.int64) * (D * GROUP)  # query x sm_scale_log2 transposed, [D, GROUP]
@@ -873,7 +879,8 @@ class Launch:
         return _PROGRAMS_PER_SM[key]
 
     def run(self, out, part_o, part_lse, split_size: int, num_splits: int) -> None:
-        """Launch over (KV head, sequence, split); split_size a multiple of W * TW."""
+        """Launch over (KV head, sequence, split); split_size (a multiple of W * TW) is the longest
+        split, each sequence's length is split num_splits ways in whole tiles."""
         _decode_fp4_gluon_kernel[(*self.grid_hb, num_splits)](
             self.query, self.q_t, out, part_o, part_lse, *self.pages, *self.rest, split_size, num_splits,
             SPLIT=num_splits > 1, **self.constexprs)
