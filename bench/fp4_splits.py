@@ -13,8 +13,8 @@ row's context (the engine plans its graphs for max_model_len) while the sequence
 fraction of it, rows where the counts differ only.
 
 --sweep times the default rule's split count against a grid of fixed counts instead (powers of two
-and their 1.5x, down to splits of one 64-token tile, and the whole-wave rule at 1-4 programs per
-SM), on the same pages, alternated twice (best of each): how far the rule is from the best count
+and their 1.5x, down to splits of one 64-token tile, and the default rule's count for 1-4 programs
+per SM), on the same pages, alternated twice (best of each): how far the rule is from the best count
 measured, row by row. The JSON keeps every count's time.
 """
 
@@ -123,12 +123,12 @@ def planned(args) -> None:
         torch.cuda.empty_cache()
 
 
-def sweep_counts(ctx: int, tile: int, rule: int, wave_rules: list[int]) -> list[int]:
+def sweep_counts(ctx: int, tile: int, rule: int, other_rules: list[int]) -> list[int]:
     """The split counts --sweep times: 1, 2, 3, 4, 6, 8, 12, ... up to splits of one tile (at most 256),
-    the rule's and the whole-wave rule's at other occupancies, as the launcher runs them (distinct)."""
+    the rule's and the rule's for other occupancies, as the launcher runs them (distinct)."""
     most = most_splits(ctx, tile, tile)
     grid = [c for p in range(9) for c in (2 ** p, 3 * 2 ** p // 2) if 1 <= c <= most]
-    return sorted({split_plan(ctx, s, tile)[1] for s in grid + [rule] + wave_rules})
+    return sorted({split_plan(ctx, s, tile)[1] for s in grid + [rule] + other_rules})
 
 
 def sweep(args) -> None:
@@ -145,8 +145,8 @@ def sweep(args) -> None:
         ctx, batch = row["ctx"], row["batch"]
         pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, K.FORMATS[0].outliers).programs_per_sm()
         rule = num_splits_for(batch, hk, ctx, K.DEV, K.GLUON_TILE, pps, fp4_rule=True)
-        waves = {p: num_splits_for(batch, hk, ctx, K.DEV, K.GLUON_TILE, p, fp4_rule=True) for p in (1, 2, 3, 4)}
-        counts = sweep_counts(ctx, K.GLUON_TILE, rule, list(waves.values()))
+        by_pps = {p: num_splits_for(batch, hk, ctx, K.DEV, K.GLUON_TILE, p, fp4_rule=True) for p in (1, 2, 3, 4)}
+        counts = sweep_counts(ctx, K.GLUON_TILE, rule, list(by_pps.values()))
         times = {c: float("inf") for c in counts}
         for _ in range(2):
             for c in counts:
@@ -154,7 +154,7 @@ def sweep(args) -> None:
                                                                           num_splits=c)))
         best = min(times, key=times.get)
         rule_n = split_plan(ctx, rule, K.GLUON_TILE)[1]
-        row.update(programs_per_sm=pps, rule_splits=rule_n, wave_rule_splits=waves, best_splits=best,
+        row.update(programs_per_sm=pps, rule_splits=rule_n, rule_splits_by_programs_per_sm=by_pps, best_splits=best,
                    ms={str(c): t for c, t in times.items()}, rule_ms=times[rule_n], best_ms=times[best])
         results["rows"].append(row)
         if args.json:

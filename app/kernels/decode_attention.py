@@ -50,7 +50,8 @@ FP4_SPLIT_TOKENS = (512, 256, 128)
 # 2 programs on an SM as with 4 (1.03x with 3; alone, 1.5x). So at 70B TP 8, batch 32, 8k context 256
 # programs of 1024 tokens (2 per SM) beat 512 of 512 (4 per SM) by 7%, while at 8B, batch 8, 32k, where
 # programs are 4096 tokens long, 4 per SM still win by 12%. The slowdowns were measured with 4 program
-# slots per SM and are used as they are for kernels with fewer.
+# slots per SM; for a kernel with fewer slots, programs that fill them count at full speed and fewer
+# take the same table.
 PROGRAM_COST_TOKENS = 160
 SHARED_SM_SLOWDOWN = {1: 1.5, 2: 1.12, 3: 1.03}  # programs on an SM (fewer than its slots) -> per-token cost
 
@@ -60,7 +61,8 @@ def _program_split(seq_lens_ptr, split_size, num_splits, BLOCK_N: tl.constexpr):
     """This program's KV head, sequence and split, and the split's token range [start, end) (empty
     past the sequence's end); the grid is (KV heads, sequences, splits). Each sequence's own length
     is split num_splits ways in whole tiles, no split longer than the plan's split_size, so that a
-    sequence shorter than the plan (a decode graph plans for max_model_len) keeps every program busy."""
+    sequence shorter than the plan (a decode graph plans for max_model_len) spreads over as many of its
+    splits as it has tiles for, not over a few full splits with the rest empty."""
     h = tl.program_id(0)
     b = tl.program_id(1)
     sp = tl.program_id(2)

@@ -601,8 +601,8 @@ if AVAILABLE:
         seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)  # the engine passes int64; the ring indexes stages by int32
         # This sequence's own length in num_splits splits of whole tiles, none longer than the plan's
         # split_size: a sequence shorter than the plan (a decode graph plans for max_model_len, or a
-        # short one beside long ones) keeps all its programs busy on shorter splits, not a few full
-        # splits and the rest empty.
+        # short one beside long ones) spreads over as many of its splits as it has tiles for, on shorter
+        # splits, not a few full splits and the rest empty.
         tiles = gl.minimum(split_size // (WN * TW), ((seq_len + num_splits - 1) // num_splits + (WN * TW - 1)) // (WN * TW))
         split = tiles * (WN * TW)  # written as a product so that the compiler knows it is whole tiles
         start = sp * split
