@@ -51,6 +51,30 @@ def whole_wave_splits(pairs: int, seq_len: int, block_n: int, programs_per_sm: i
     return next(s for s, c in enumerate(costs, 1) if c <= 1.03 * least)
 
 
+def cases(args):
+    """bench/kernels.py's decode cases for --contexts and --batches, each with its random fp4 pages
+    and the Gluon kernel's programs per SM: (row, q, table, sl, scale, pages, pps), pages the list
+    [K pages, V pages] (decode_attention(q, *pages, ...)), emptied before the next case so that its
+    memory is free for the next one's."""
+    warnings.filterwarnings("ignore")  # SDPA's note on GQA inputs, once per row
+    for row, q, table, sl, scale, nb in K.decode_cases([int(c) for c in args.contexts.split(",")],
+                                                       [int(b) for b in args.batches.split(",")]):
+        hk = K.MODELS[row["model"]][1]
+        pages = [K.random_fp4_pages(nb, hk, K.FORMATS[0]), K.random_fp4_pages(nb, hk, K.FORMATS[1])]
+        pps = decode_fp4_gluon.Launch(q, *pages, table, sl, 1.0, K.FORMATS[0].outliers).programs_per_sm()
+        yield row, q, table, sl, scale, pages, pps
+        pages.clear()
+        torch.cuda.empty_cache()
+
+
+def rule_counts(row: dict, pps: int) -> tuple[int, int]:
+    """(the replaced rule's, the default's) split count for a case, as the launcher runs them."""
+    ctx, batch, hk = row["ctx"], row["batch"], K.MODELS[row["model"]][1]
+    new = num_splits_for(batch, hk, ctx, K.DEV, K.GLUON_TILE, pps, fp4_rule=True)
+    old = whole_wave_splits(batch * hk, ctx, K.GLUON_TILE, pps, _num_sms(K.DEV))
+    return split_plan(ctx, old, K.GLUON_TILE)[1], split_plan(ctx, new, K.GLUON_TILE)[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="8192,32768,65536")
@@ -63,64 +87,47 @@ def main() -> None:
         return sweep(args)
     if args.fractions:
         return planned(args)
-    warnings.filterwarnings("ignore")  # SDPA's note on GQA inputs, once per row
-    sms = _num_sms(K.DEV)
     print("| model | ctx | batch | SDPA bf16 ms | splits (replaced rule) | ms | splits (default) | ms | "
           "default vs replaced rule | replaced rule vs SDPA | default vs SDPA |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    contexts = [int(c) for c in args.contexts.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
-    for row, q, table, sl, scale, nb in K.decode_cases(contexts, batches):
-        hk = K.MODELS[row["model"]][1]
-        kp, vp = K.random_fp4_pages(nb, hk, K.FORMATS[0]), K.random_fp4_pages(nb, hk, K.FORMATS[1])
-        ctx, batch = row["ctx"], row["batch"]
-        pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, K.FORMATS[0].outliers).programs_per_sm()
-        new = split_plan(ctx, num_splits_for(batch, hk, ctx, K.DEV, K.GLUON_TILE, pps, fp4_rule=True), K.GLUON_TILE)[1]
-        old = split_plan(ctx, whole_wave_splits(batch * hk, ctx, K.GLUON_TILE, pps, sms), K.GLUON_TILE)[1]
-        head = f"| {row['model']} | {ctx // 1024}k | {batch} | {row['sdpa_ms']:.4f} | {old} |"
+    for row, q, table, sl, scale, pages, pps in cases(args):
+        ctx = row["ctx"]
+        old, new = rule_counts(row, pps)
+        head = f"| {row['model']} | {ctx // 1024}k | {row['batch']} | {row['sdpa_ms']:.4f} | {old} |"
         if new == old:
             print(f"{head} | {new} | | same count | | |", flush=True)
-        else:
-            times = {"old": [], "new": []}
-            for _ in range(2):
-                for name, s in (("old", old), ("new", new)):
-                    times[name].append(K.bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, K.FORMATS,
-                                                                        num_splits=s)))
-            o, n, sdpa = min(times["old"]), min(times["new"]), row["sdpa_ms"]
-            print(f"{head} {o:.4f} | {new} | {n:.4f} | {o / n:.3f}x | {sdpa / o:.2f}x | {sdpa / n:.2f}x |", flush=True)
-        kp = vp = None  # free the pages before the next row
-        torch.cuda.empty_cache()
+            continue
+        times = {"old": [], "new": []}
+        for _ in range(2):
+            for name, s in (("old", old), ("new", new)):
+                times[name].append(K.bench(lambda: decode_attention(q, *pages, table, sl, scale, ctx, K.FORMATS,
+                                                                    num_splits=s)))
+        o, n, sdpa = min(times["old"]), min(times["new"]), row["sdpa_ms"]
+        print(f"{head} {o:.4f} | {new} | {n:.4f} | {o / n:.3f}x | {sdpa / o:.2f}x | {sdpa / n:.2f}x |", flush=True)
 
 
 def planned(args) -> None:
     """--fractions: the rules' counts planned for the row's context, the sequences shorter."""
-    warnings.filterwarnings("ignore")
-    sms = _num_sms(K.DEV)
     fractions = [float(f) for f in args.fractions.split(",")]
     print("| model | planned ctx | batch | splits (replaced rule / default) | "
           + " | ".join(f"{f:g} of it: replaced ms, default vs replaced" for f in fractions) + " |")
     print("|---|---|---|---|" + "---|" * len(fractions))
-    for row, q, table, sl, scale, nb in K.decode_cases([int(c) for c in args.contexts.split(",")],
-                                                       [int(b) for b in args.batches.split(",")]):
-        hk = K.MODELS[row["model"]][1]
-        ctx, batch = row["ctx"], row["batch"]
-        kp, vp = K.random_fp4_pages(nb, hk, K.FORMATS[0]), K.random_fp4_pages(nb, hk, K.FORMATS[1])
-        pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, K.FORMATS[0].outliers).programs_per_sm()
-        new = split_plan(ctx, num_splits_for(batch, hk, ctx, K.DEV, K.GLUON_TILE, pps, fp4_rule=True), K.GLUON_TILE)[1]
-        old = split_plan(ctx, whole_wave_splits(batch * hk, ctx, K.GLUON_TILE, pps, sms), K.GLUON_TILE)[1]
+    for row, q, table, sl, scale, pages, pps in cases(args):
+        ctx = row["ctx"]
+        old, new = rule_counts(row, pps)
+        if new == old:
+            continue
         cells = []
-        for f in (fractions if new != old else []):
+        for f in fractions:
             short = torch.full_like(sl, max(1, int(f * ctx)))
             times = {old: float("inf"), new: float("inf")}
             for _ in range(2):
                 for s in (old, new):
-                    times[s] = min(times[s], K.bench(lambda: decode_attention(q, kp, vp, table, short, scale, ctx,
+                    times[s] = min(times[s], K.bench(lambda: decode_attention(q, *pages, table, short, scale, ctx,
                                                                               K.FORMATS, num_splits=s)))
             cells.append(f"{times[old]:.4f}, {times[old] / times[new]:.3f}x")
-        if cells:
-            print(f"| {row['model']} | {ctx // 1024}k | {batch} | {old} / {new} | " + " | ".join(cells) + " |", flush=True)
-        kp = vp = None
-        torch.cuda.empty_cache()
+        print(f"| {row['model']} | {ctx // 1024}k | {row['batch']} | {old} / {new} | " + " | ".join(cells) + " |",
+              flush=True)
 
 
 def sweep_counts(ctx: int, tile: int, rule: int, other_rules: list[int]) -> list[int]:
@@ -133,24 +140,19 @@ def sweep_counts(ctx: int, tile: int, rule: int, other_rules: list[int]) -> list
 
 def sweep(args) -> None:
     """--sweep: per row, the default rule's split count against every count of sweep_counts."""
-    warnings.filterwarnings("ignore")
     results = K.run_info(rows=[])
     print("| model | ctx | batch | SDPA bf16 ms | rule splits | rule ms | best splits | best ms | rule vs best | "
           "best vs SDPA | counts timed |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for row, q, table, sl, scale, nb in K.decode_cases([int(c) for c in args.contexts.split(",")],
-                                                       [int(b) for b in args.batches.split(",")]):
-        hk = K.MODELS[row["model"]][1]
-        kp, vp = K.random_fp4_pages(nb, hk, K.FORMATS[0]), K.random_fp4_pages(nb, hk, K.FORMATS[1])
-        ctx, batch = row["ctx"], row["batch"]
-        pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, K.FORMATS[0].outliers).programs_per_sm()
+    for row, q, table, sl, scale, pages, pps in cases(args):
+        ctx, batch, hk = row["ctx"], row["batch"], K.MODELS[row["model"]][1]
         rule = num_splits_for(batch, hk, ctx, K.DEV, K.GLUON_TILE, pps, fp4_rule=True)
         by_pps = {p: num_splits_for(batch, hk, ctx, K.DEV, K.GLUON_TILE, p, fp4_rule=True) for p in (1, 2, 3, 4)}
         counts = sweep_counts(ctx, K.GLUON_TILE, rule, list(by_pps.values()))
         times = {c: float("inf") for c in counts}
         for _ in range(2):
             for c in counts:
-                times[c] = min(times[c], K.bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, K.FORMATS,
+                times[c] = min(times[c], K.bench(lambda: decode_attention(q, *pages, table, sl, scale, ctx, K.FORMATS,
                                                                           num_splits=c)))
         best = min(times, key=times.get)
         rule_n = split_plan(ctx, rule, K.GLUON_TILE)[1]
@@ -163,8 +165,6 @@ def sweep(args) -> None:
         print(f"| {row['model']} | {ctx // 1024}k | {batch} | {row['sdpa_ms']:.4f} | {rule_n} | {times[rule_n]:.4f} | "
               f"{best} | {times[best]:.4f} | {times[best] / times[rule_n]:.3f}x | {row['sdpa_ms'] / times[best]:.2f}x | "
               f"{len(counts)} |", flush=True)
-        kp = vp = None
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

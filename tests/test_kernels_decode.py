@@ -164,7 +164,7 @@ def test_the_split_benchmark_keeps_the_replaced_rule(pairs, seq_len, splits):
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp4"])
-def test_a_sequence_shorter_than_the_plan_uses_every_split(name, monkeypatch):
+def test_a_sequence_shorter_than_the_plan_spreads_over_its_splits(name, monkeypatch):
     """A decode planned for a longer max_seq_len than its sequences (a decode graph plans for
     max_model_len) splits each sequence's own length: 4 splits planned for 4096 tokens, 128-token tiles,
     a 1025-token sequence in 3 splits of 384 (not one of 1024, one of 1 and two empty); 17 tokens in one

@@ -261,7 +261,7 @@ def test_ring_whole_tile_counts_on_gpu(stages, kv_heads, group):
 @on_gpu
 @needs_gluon
 @pytest.mark.parametrize("stages", [decode_fp4_gluon.STAGES, 0])
-def test_a_sequence_shorter_than_the_plan_uses_every_split_on_gpu(stages, monkeypatch):
+def test_a_sequence_shorter_than_the_plan_spreads_over_its_splits_on_gpu(stages, monkeypatch):
     """Planned for 8192 tokens in 4 splits (as a decode graph plans for max_model_len), a 1025-token
     sequence runs 4 splits of 320 (5 tiles; not one of 2048 and three empty), 17 tokens one split,
     4099 tokens 4 of 1088; the result as the reference."""
