@@ -126,7 +126,9 @@ def main() -> None:
     dense_sig = dict(SIG, **{k: "*bf16" for k in PAGE_SIG})
     gluon_sig = dict(SIG, qt_ptr="*fp32")
     gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, "STAGES": decode_fp4_gluon.STAGES,
-                  "F16": True, **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default
+                  "F16": True, "PAIR": None, **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default
+    # PAIR None: the launcher's choice for the shape (tile pairs at <= 4 query heads per KV head with the
+    # 4-tile ring: the loop then takes two pairs, 4 tiles, at PAIR_MAXNREG registers)
     # (name, kernel, signature, constexprs, warps, stages, maxnreg, tokens per tile, tiles per loop iteration:
     # the Gluon ring's loop is unrolled over an even and an odd tile)
     cases = [
@@ -136,6 +138,8 @@ def main() -> None:
          dict(gluon_args, K_KO=0, SPLIT=False), 4, 1, None, 64, 2),
         ("Gluon fp4 kernel, loads into registers", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
          dict(gluon_args, STAGES=0), 4, 1, None, 64, 1),
+        ("Gluon fp4 kernel, single tiles (pair=0)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
+         dict(gluon_args, PAIR=0), 4, 1, None, 64, 2),
         ("Gluon fp4 kernel, the engine's int64 tables and lengths", decode_fp4_gluon._decode_fp4_gluon_kernel,
          dict(gluon_sig, block_tables_ptr="*i64", seq_lens_ptr="*i64"), gluon_args, 4, 1, None, 64, 2),
         ("Gluon fp4 kernel, bf16 MMAs (fp16=False)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
@@ -151,8 +155,15 @@ def main() -> None:
                 if args.only and args.only not in name:
                     continue
                 const = dict(common, H=heads, GROUP=group, GP=16, BLOCK_N=block_n, **extra)
+                pair = 0
                 if fn.is_gluon():  # its own parameters only
                     const = dict({"SPLIT": True}, H=heads, GROUP=group, BS=16, **extra)
+                    if const["PAIR"] is None:
+                        pairs = group <= decode_fp4_gluon.N_HEADS // 2 and const["STAGES"] == 4
+                        const["PAIR"] = decode_fp4_gluon.PAIR_MIN_TILES if pairs else 0
+                    pair = const["PAIR"]
+                    if pair:
+                        maxnreg, tiles = decode_fp4_gluon.PAIR_MAXNREG, 4
                 cubin = compile_kernel(fn, sig, const, warps, stages, maxnreg, tmp)
                 res, ops = sass_loop(cubin, bin_dir)
                 regs = re.search(r"REG:(\d+)", res).group(1)
@@ -160,13 +171,16 @@ def main() -> None:
                 counts = collections.Counter(ops)
                 per_token_head = len(ops) * warps / (block_n * tiles)
                 if args.json:
-                    print(json.dumps({"model": model, "kernel": name, "regs": int(regs), "stack": int(stack),
+                    print(json.dumps({"model": model, "kernel": name, "triton": triton.__version__, "pair": bool(pair),
+                                      "regs": int(regs),
+                                      "stack": int(stack),
                                       "loop": len(ops), "tiles": tiles, "per_token_head": per_token_head,
                                       "ops": dict(counts)}), flush=True)
                     continue
                 top = ", ".join(f"{op} {n}" for op, n in counts.most_common(8))
-                print(f"{model:8s} {name:42s} regs {regs:>3s} stack {stack:>3s} | loop {len(ops):5d} / thread "
-                      f"({tiles} tile{'s' if tiles > 1 else ''}), {per_token_head:5.1f} / (token, KV head) | {top}",
+                print(f"{model:8s} {name:42s}{' (pairs)' if pair else ''} regs {regs:>3s} stack {stack:>3s} | loop "
+                      f"{len(ops):5d} / thread ({tiles} tile{'s' if tiles > 1 else ''}), {per_token_head:5.1f} / "
+                      f"(token, KV head) | {top}",
                       flush=True)
 
 

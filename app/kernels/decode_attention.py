@@ -17,8 +17,8 @@ what the CPU tests interpret); every other combination runs _decode_kernel.
 
 Speed (bench/RESULTS.md, H200): bf16 pages run within 3-12% of torch SDPA on contiguous K/V for the
 Llama-3.1-8B shape from 8k context and batch 8 ("fp4 decode, fourth pass"); fp4 pages (Gluon)
-1.46-1.67x faster than SDPA at 8k-32k and batch 8-32 (70B at TP 8: 1.11-1.58x; issue 19's
-fourteenth step, with fp4_splits' split counts), bound by instruction issue rather than bytes
+1.47-1.79x faster than SDPA at 8k-32k and batch 8-32 (70B at TP 8: 1.11-1.61x; issue 19's
+fifteenth step, tile pairs at 8B), bound by instruction issue rather than bytes
 (bench/kernel_sass.py counts the loop's instructions without a GPU).
 """
 
@@ -327,6 +327,7 @@ def decode_attention(
     fp4_kernel: bool | None = None,
     gluon: bool | None = None,
     fp16: bool | None = None,
+    pair: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] query dtype
     """Launcher. Which kernel: fp4 K and V pages in decode_fp4_gluon's scope (the engine's default fp4
     cache on CUDA: `decode_fp4_gluon.unsupported` lists it) run the Gluon kernel; other fp4 pages
@@ -343,7 +344,9 @@ def decode_attention(
     terms (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton.
     maxnreg: a register cap on CUDA (None: 128 for _decode_fp4_kernel at head_dim 128, none for the
     Gluon kernel; 0: none). fp16, Gluon kernel only: its code-to-number map, fp16 MMAs (True) or bf16
-    (False) (None: decode_fp4_gluon.F16_DEFAULT, fp16)."""
+    (False) (None: decode_fp4_gluon.F16_DEFAULT, fp16). pair, Gluon kernel only: tile pairs (two tiles per
+    pass in the MMA's padding columns, at most 4 query heads per KV head and a 4-tile ring) for splits
+    with at least this many whole tiles, 0 never (None: decode_fp4_gluon.PAIR_MIN_TILES)."""
     num_seqs, num_heads, head_dim = query.shape
     # The fp4 kernel where it measured faster (bench/RESULTS.md): head_dim 128, capped at 128
     # registers, and 256, uncapped (capped it spills); at 64 the generic kernel was 1.2-1.6x faster.
@@ -375,7 +378,7 @@ def decode_attention(
         raise ValueError(f"the Gluon fp4 kernel cannot run this decode: {why}")
     if gluon is not False and why is None:
         return _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats,
-                             num_splits, out, maxnreg, num_stages, fp16)
+                             num_splits, out, maxnreg, num_stages, fp16, pair)
     if num_splits is None:
         num_splits = num_splits_for(num_seqs, num_kv_heads, max_seq_len, query.device, block_n,
                                     max(1, 65536 // (cap * 32 * num_warps)) if capped else 2, fp4_rule=both_fp4)
@@ -407,9 +410,9 @@ def decode_attention(
 
 
 def _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats, num_splits, out,
-                  maxnreg: int | None, stages: int | None, fp16: bool | None) -> torch.Tensor:
+                  maxnreg: int | None, stages: int | None, fp16: bool | None, pair: int | None) -> torch.Tensor:
     launch = decode_fp4_gluon.Launch(query, k_pages, v_pages, block_tables, seq_lens, scale * LOG2E,
-                                     formats[0].outliers, maxnreg, stages, fp16)
+                                     formats[0].outliers, maxnreg, stages, fp16, pair)
     tile = decode_fp4_gluon.W * decode_fp4_gluon.TW
     if num_splits is None:
         num_splits = num_splits_for(query.shape[0], k_pages.codes.shape[2], max_seq_len, query.device, tile,

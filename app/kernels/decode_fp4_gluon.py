@@ -21,6 +21,21 @@ layout-level language), chosen so that nothing moves between threads except the 
   softmax (max, sum, O^T); the four states merge once at the end. The probabilities change from
   the MMA result layout to the operand layout within a warp (shuffles). Whole tiles run without
   masks, the last one with them.
+- Tile pairs (PAIR). With at most 4 query heads per KV head (Llama-3 8B), half of the MMA's 8
+  columns are padding, and so is half of the softmax, the key outlier slots' arithmetic and O^T's
+  rescale, which run on those columns. Paired, a warp's 16 tokens of two tiles share one pass: the
+  scores of tile A in columns 0-3 and of tile B in columns 4-7 (two MMA chains against the query
+  placed in both halves, one select), each column its own online softmax state, O^T += V_A^T P_A^T +
+  V_B^T P_B^T with each tile's probabilities in its own columns; the states of columns c and c + 4
+  merge at the end (a lane shuffle: in mma.m16n8's layout they sit in lanes t and t ^ 2). A lane
+  takes its half's per-token words (scales, exponents, outlier slots) with one select (_lane_half).
+  Loop instructions per (token, KV head) 37.7 -> 30.4 at the 8B shape (Triton 3.6). The ring then
+  holds two pairs, so a pair's copies fly while the pair before is attended (one tile pair ahead,
+  where single tiles have two to three): splits of fewer than PAIR_MIN_TILES whole tiles keep single
+  tiles, chosen per program from its own length (bench/RESULTS.md, issue 19's fifteenth step). A pair
+  waits on one barrier; Triton 3.6's Membar pass adds a second between its two tiles' copies into one
+  set (it does not tell the set's stages apart; 3.9 does). Triton 3.9 cannot fit the paired kernel in
+  PAIR_MAXNREG registers (it spills 64 bytes): Launch then runs single tiles (_settle_pair).
 - Code-to-number maps, two ways (F16). bf16: paged._FP4_UNPACK_BODY's shifts and masks put each code
   into bf16 bits and one bf16x2 multiply per pair applies the group scale (and the bias). fp16: a code
   (s, e1 e0, m) placed as the byte s.00e1e0.m00 is E4M3 for its value x 2^-6, so shifts and masks
@@ -425,18 +440,10 @@ if AVAILABLE:
         _async_load(bsv.index(stage), v1.to(i32) + rows_c, mc)
 
     @gluon.jit
-    def _read_tile(bufs, stage, shifts, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, S_ROW: gl.constexpr,
-                   S_ROW2: gl.constexpr, V_SCALE2: gl.constexpr, K_KO: gl.constexpr):
-        """A tile copied by _issue_tile, from shared memory into _load_tile's registers; shifts: the bit
-        offsets (sh_k, sh_s, sh_v) of the bytes within their words, loop-invariant since pages and tiles
-        start at multiples of 4 rows."""
+    def _read_rows(bufs, stage, shifts, S_ROW: gl.constexpr, S_ROW2: gl.constexpr, K_KO: gl.constexpr):
+        """_read_tile's per-token words: key exponent, outlier index and value words, value exponent."""
         bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv = bufs
         sh_k, sh_s, sh_v = shifts
-        WN: gl.constexpr = bkc.shape[1]
-        TW: gl.constexpr = bkc.shape[2]
-        kc = bkc.index(stage).load(K_LOAD)
-        KL3: gl.constexpr = gl.SliceLayout(3, K_LOAD)
-        ks = (gl.expand_dims(bks.index(stage).load(gl.SliceLayout(2, KL3)), 2) >> sh_k) & 255
         ek = (bek.index(stage).load(S_ROW) >> sh_s) & 255
         if K_KO == 4:
             iw = biw.index(stage).load(S_ROW)
@@ -448,12 +455,51 @@ if AVAILABLE:
             vw0 = ek
             vw1 = ek
         ev = (bev.index(stage).load(S_ROW) >> sh_s) & 255
+        return ek, iw, vw0, vw1, ev
+
+    @gluon.jit
+    def _read_k(bufs, stage, shifts, K_LOAD: gl.constexpr):
+        """_read_tile's key codes and key scale bits."""
+        bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv = bufs
+        sh_k, sh_s, sh_v = shifts
+        kc = bkc.index(stage).load(K_LOAD)
+        KL3: gl.constexpr = gl.SliceLayout(3, K_LOAD)
+        ks = (gl.expand_dims(bks.index(stage).load(gl.SliceLayout(2, KL3)), 2) >> sh_k) & 255
+        return kc, ks
+
+    @gluon.jit
+    def _read_v(bufs, stage, shifts, V_LOAD: gl.constexpr, V_SCALE2: gl.constexpr):
+        """_read_tile's value codes and value scale bits."""
+        bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv = bufs
+        sh_k, sh_s, sh_v = shifts
+        WN: gl.constexpr = bkc.shape[1]
+        TW: gl.constexpr = bkc.shape[2]
         ca = bca.index(stage).load(V_LOAD)
         cb = bcb.index(stage).load(V_LOAD)
         sa, sb = gl.split(bsv.index(stage).reshape([WN, TW // 2, 2]).load(V_SCALE2))
         VS: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_LOAD))
         sa = (gl.expand_dims(gl.convert_layout(sa, VS, assert_trivial=True), 2) >> sh_v) & 255
         sb = (gl.expand_dims(gl.convert_layout(sb, VS, assert_trivial=True), 2) >> sh_v) & 255
+        return ca, cb, sa, sb
+
+    @gluon.jit
+    def _issue_pair(bufs, q, n_pairs, start, end, bt_row, h, pages, cidx, BS: gl.constexpr, H: gl.constexpr,
+                    TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr):
+        """Whole tiles 2q and 2q + 1, if pair q exists, into bufs' stages 0 and 1."""
+        if q < n_pairs:
+            n1 = start + (2 * q) * (4 * TW)
+            _issue_tile(bufs, 0, n1, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, False)
+            _issue_tile(bufs, 1, n1 + 4 * TW, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, False)
+
+    @gluon.jit
+    def _read_tile(bufs, stage, shifts, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, S_ROW: gl.constexpr,
+                   S_ROW2: gl.constexpr, V_SCALE2: gl.constexpr, K_KO: gl.constexpr):
+        """A tile copied by _issue_tile, from shared memory into _load_tile's registers; shifts: the bit
+        offsets (sh_k, sh_s, sh_v) of the bytes within their words, loop-invariant since pages and tiles
+        start at multiples of 4 rows."""
+        kc, ks = _read_k(bufs, stage, shifts, K_LOAD)
+        ek, iw, vw0, vw1, ev = _read_rows(bufs, stage, shifts, S_ROW, S_ROW2, K_KO)
+        ca, cb, sa, sb = _read_v(bufs, stage, shifts, V_LOAD, V_SCALE2)
         return kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb
 
     @gluon.jit
@@ -485,11 +531,10 @@ if AVAILABLE:
         return s
 
     @gluon.jit
-    def _tile_update(n0, end, m_i, l_i, acc, s, tile, w_s, r_s, TW: gl.constexpr, MASKED: gl.constexpr,
-                     A_OP: gl.constexpr, B_OP: gl.constexpr, F16: gl.constexpr):
-        """_attend_tile's second half: the online softmax over the scores s and O^T += V^T P^T."""
-        kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = tile
-        ms = n0 + TW * w_s + r_s < end  # [W, TW]
+    def _softmax_update(m_i, l_i, s, ms, ev, MASKED: gl.constexpr, B_OP: gl.constexpr, F16: gl.constexpr):
+        """The online softmax over scores s [W, TW, NH], base 2, per warp and column (MASKED: rows where ms
+        is false left out): the new running max, the sums l_i, the old state's rescale alpha and the
+        probabilities as the PV MMA's B operand (ev: the tokens' value exponent bits)."""
         if F16:
             # V^T in fp16 is value x 2^-6 x scale (exact), so a token's probability goes to the MMA as
             # p x 2^(scale_exp - 121) in fp16, and fp16's range holds that only near 1: the exponent joins the
@@ -500,25 +545,35 @@ if AVAILABLE:
             e_log2 = (evc | 0x4B000000).to(gl.float32, bitcast=True) - (8388608.0 + 121.0)  # exact
             s = s + gl.expand_dims(e_log2, 2)
             inv_fv = ((248 - evc) << 23).to(gl.float32, bitcast=True)  # 2^(121 - scale_exp)
-        # online softmax, base 2, per warp and query head
         if MASKED:
             s = gl.where(gl.expand_dims(ms, 2), s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp with no token yet
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a column with no token yet
         else:
             m_new = gl.maximum(m_i, gl.max(s, 1))
             m_use = m_new
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - gl.expand_dims(m_use, 1))
-        # V -> O^T += V^T P^T; V^T's columns are token pairs (2 pair, 2 pair + 1)
         if F16:
             l_i = l_i * gl.expand_dims(alpha, 1) + p * gl.expand_dims(inv_fv, 2)
             pt = gl.convert_layout(p.to(gl.float16), B_OP)
-            vt = gl.convert_layout(_unpack_v(ca, cb, f16_scales(sa, sb), True), A_OP, assert_trivial=True)
         else:
             l_i = l_i * gl.expand_dims(alpha, 1) + p
             fv = _pow2_scale(ev)
             pt = gl.convert_layout((p * gl.expand_dims(fv, 2)).to(gl.bfloat16), B_OP)
+        return m_new, l_i, alpha, pt
+
+    @gluon.jit
+    def _tile_update(n0, end, m_i, l_i, acc, s, tile, w_s, r_s, TW: gl.constexpr, MASKED: gl.constexpr,
+                     A_OP: gl.constexpr, B_OP: gl.constexpr, F16: gl.constexpr):
+        """_attend_tile's second half: the online softmax over the scores s and O^T += V^T P^T."""
+        kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = tile
+        ms = n0 + TW * w_s + r_s < end  # [W, TW]
+        m_new, l_i, alpha, pt = _softmax_update(m_i, l_i, s, ms, ev, MASKED, B_OP, F16)
+        # V -> O^T += V^T P^T; V^T's columns are token pairs (2 pair, 2 pair + 1)
+        if F16:
+            vt = gl.convert_layout(_unpack_v(ca, cb, f16_scales(sa, sb), True), A_OP, assert_trivial=True)
+        else:
             vt = gl.convert_layout(_unpack_v(ca, cb, bf16_scales(sa, sb), False), A_OP, assert_trivial=True)
         acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
         return m_new, l_i, acc
@@ -580,6 +635,210 @@ if AVAILABLE:
         return _tile_update(n0, end, m_i, l_i, acc, s, data, w_s, r_s, TW, False, A_OP, B_OP, F16)
 
     @gluon.jit
+    def _lane_half(like):
+        """mma.m16n8's column half of this lane (t >= 2 holds score columns 4-7: lane bit 1) as int32 0/1,
+        shaped like `like` (int32 rows [W, TW] of S^T). Triton takes a row tensor as equal in the lanes
+        that share a row; this one differs by lane on purpose, and is only used to pick per thread
+        (gl.where) a row value of the tile pair's first or second tile before it is broadcast into the
+        thread's own columns."""
+        return gl.inline_asm_elementwise("{ .reg .u32 l; mov.u32 l, %laneid; bfe.u32 $0, l, 1, 1; }", "=r,r",
+                                         [like], dtype=gl.int32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _partner(x):
+        """The value of column c ^ 4 in this thread's column c (float32, any layout whose columns follow
+        mma.m16n8's: lane 4 g + t holds columns 2 t, 2 t + 1): a butterfly shuffle across lane bit 1."""
+        return gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 2, 0x1f, -1;", "=r,r", [x], dtype=gl.float32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _pair_keys(bufs, stage, shifts, qt, l_i, K_LOAD: gl.constexpr, A_OP: gl.constexpr, F16: gl.constexpr):
+        """A paired tile's scores S^T = K Q^T (stage 0: tile A, 1: tile B), unscaled: read, unpack, MMA."""
+        kc, ks = _read_k(bufs, stage, shifts, K_LOAD)
+        if F16:
+            ka = gl.convert_layout(_unpack_k(kc, f16_scales(ks, ks), True), A_OP, assert_trivial=True)
+        else:
+            ka = gl.convert_layout(_unpack_k(kc, bf16_scales(ks, ks), False), A_OP, assert_trivial=True)
+        return mma_v2(ka, qt, gl.zeros_like(l_i))
+
+    @gluon.jit
+    def _pair_values(bufs, stage, shifts, pt, acc, V_LOAD: gl.constexpr, V_SCALE2: gl.constexpr, A_OP: gl.constexpr,
+                     F16: gl.constexpr):
+        """acc + V^T pt for a paired tile (stage 0: tile A, 1: tile B; pt: its probabilities in its columns,
+        zeros in the other half): read, unpack, MMA."""
+        ca, cb, sa, sb = _read_v(bufs, stage, shifts, V_LOAD, V_SCALE2)
+        if F16:
+            vt = gl.convert_layout(_unpack_v(ca, cb, f16_scales(sa, sb), True), A_OP, assert_trivial=True)
+        else:
+            vt = gl.convert_layout(_unpack_v(ca, cb, bf16_scales(sa, sb), False), A_OP, assert_trivial=True)
+        return mma_v2(vt, pt, acc)
+
+    @gluon.jit
+    def _pair_attend(nA, endA, nB, endB, m_i, l_i, acc, bufs, step, next_pair, n_pairs, issue_set,
+                     BS: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr,
+                     OFF64: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, S_ROW: gl.constexpr,
+                     S_ROW2: gl.constexpr, V_SCALE2: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
+                     F16: gl.constexpr, MASKED: gl.constexpr, ISSUE: gl.constexpr):
+        """Two tiles in one pass (GROUP <= 4: the query heads fill half of the MMA's 8 columns): the
+        scores of tile A (tokens nA + TW w + r, bufs stage 0) in columns 0-3 and of tile B (nB.., stage
+        1) in columns 4-7, each column its own online softmax state, so the softmax, the key outlier
+        slots and O^T's rescale run once for both tiles on columns that were padding. S^T comes from one
+        MMA chain per tile (the query in both column halves), O^T += V_A^T P_A^T + V_B^T P_B^T with each
+        tile's probabilities in its own columns (zeros in the other half). Per-token words reach a
+        thread for its own half (_lane_half). MASKED: tokens at or past endA / endB are masked out.
+        ISSUE: after the scores, the copies of pair next_pair (if < n_pairs) go to issue_set."""
+        start, end, bt_row, h, pages, cidx, shifts, qt, qt_cols, col_mask, w_s, r_s, k_factor, hi = step
+        rA = _read_rows(bufs, 0, shifts, S_ROW, S_ROW2, K_KO)
+        rB = _read_rows(bufs, 1, shifts, S_ROW, S_ROW2, K_KO)
+        sel = hi != 0
+        ek = gl.where(sel, rB[0], rA[0])
+        iw = gl.where(sel, rB[1], rA[1])
+        vw0 = gl.where(sel, rB[2], rA[2])
+        vw1 = gl.where(sel, rB[3], rA[3])
+        ev = gl.where(sel, rB[4], rA[4])
+        if MASKED:
+            ms = gl.where(sel, nB + TW * w_s + r_s < endB, nA + TW * w_s + r_s < endA)
+        else:
+            ms = r_s >= 0
+        qo = _outlier_queries(qt_cols, col_mask, iw, ms, GROUP, MASKED, K_KO)
+        sA = _pair_keys(bufs, 0, shifts, qt, l_i, K_LOAD, A_OP, F16)
+        sB = _pair_keys(bufs, 1, shifts, qt, l_i, K_LOAD, A_OP, F16)
+        s = gl.where(gl.expand_dims(sel, 2), sB, sA)
+        if ISSUE:
+            _issue_pair(issue_set, next_pair, n_pairs, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64)
+            _commit_group()
+        fk = _pow2_scale(ek) * k_factor
+        s = s * gl.expand_dims(fk, 2)
+        if K_KO == 4:
+            s = _key_outliers(s, qo, vw0, vw1)
+        m_new, l_i, alpha, pt = _softmax_update(m_i, l_i, s, ms, ev, MASKED, B_OP, F16)
+        NH: gl.constexpr = pt.shape[2]
+        n_b = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_OP)))
+        first = gl.expand_dims(gl.expand_dims(n_b < NH // 2, 0), 1)  # [1, 1, NH]: tile A's columns
+        zero = gl.zeros_like(pt)
+        acc = _pair_values(bufs, 0, shifts, gl.where(first, pt, zero), acc * gl.expand_dims(alpha, 1), V_LOAD,
+                           V_SCALE2, A_OP, F16)
+        acc = _pair_values(bufs, 1, shifts, gl.where(first, zero, pt), acc, V_LOAD, V_SCALE2, A_OP, F16)
+        return m_new, l_i, acc
+
+    @gluon.jit
+    def _pair_step(q, m_i, l_i, acc, read_set, write_set, n_pairs, step, BS: gl.constexpr, H: gl.constexpr,
+                   GROUP: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr,
+                   K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, S_ROW: gl.constexpr, S_ROW2: gl.constexpr,
+                   V_SCALE2: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, F16: gl.constexpr,
+                   ISSUE: gl.constexpr):
+        """Whole tiles 2q and 2q + 1 (read_set's two stages): wait for them, every thread past the
+        previous pair, then attend them while pair q + 1 (ISSUE: if there is one) is copied into write_set."""
+        start = step[0]
+        end = step[1]
+        tile = 4 * TW
+        _wait_group(0)  # pair q has landed (the only copies in flight)
+        _barrier()  # ... for every thread, and every thread is done with write_set (pair q - 1)
+        n0 = start + (2 * q) * tile
+        return _pair_attend(n0, end, n0 + tile, end, m_i, l_i, acc, read_set, step, q + 1, n_pairs, write_set,
+                            BS, H, GROUP, TW, K_KO, OFF64, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP,
+                            F16, False, ISSUE)
+
+    @gluon.jit
+    def _ring_issue_first(set0, set1, has_part, n_whole, start, end, full_end, bt_row, h, pages, cidx, BS: gl.constexpr,
+                          H: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr,
+                          STAGES: gl.constexpr):
+        """The ring's first copies (single tiles): the partial tile, if any, into whole tile STAGES - 1's slot,
+        then whole tiles 0 .. STAGES - 3, one commit group each (the partial tile's empty without one)."""
+        if has_part:
+            _issue_tile(set1, STAGES // 2 - 1, full_end, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, True)
+        _commit_group()
+        for j in gl.static_range(STAGES - 2):
+            if j % 2 == 0:
+                _issue_whole(set0, j, n_whole, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, STAGES)
+            else:
+                _issue_whole(set1, j, n_whole, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, STAGES)
+            _commit_group()
+
+    @gluon.jit
+    def _ring_loop(m_i, l_i, acc, set0, set1, has_part, full_end, step, BS: gl.constexpr, H: gl.constexpr,
+                   GROUP: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr,
+                   STAGES: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, S_ROW: gl.constexpr,
+                   S_ROW2: gl.constexpr, V_SCALE2: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
+                   F16: gl.constexpr):
+        """The ring's tiles one at a time after _ring_issue_first: the partial tile first, then the whole
+        ones, tile j + STAGES - 1 copied while tile j is attended."""
+        start, end, n_whole, bt_row, h, pages, cidx, shifts, qt, qt_cols, col_mask, w_s, r_s, k_factor = step
+        if has_part:
+            _wait_group(STAGES - 2)  # the partial tile has landed
+            _barrier()  # ... for every thread
+            data = _read_tile(set1, STAGES // 2 - 1, shifts, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, K_KO)
+            qo = _outlier_queries(qt_cols, col_mask, data[3], full_end + TW * w_s + r_s < end, GROUP, True, K_KO)
+            m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qo, data, w_s, r_s, k_factor, TW, K_KO,
+                                         True, A_OP, B_OP, F16)
+        # whole tile STAGES - 2, into set (STAGES - 2) % 2 = 0
+        _issue_whole(set0, STAGES - 2, n_whole, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, STAGES)
+        _commit_group()
+        for j in range(0, n_whole - 1, 2):  # two whole tiles: even from set 0, odd from set 1
+            m_i, l_i, acc = _ring_step(j, m_i, l_i, acc, set0, set1, step, BS, H, GROUP, TW, K_KO, OFF64, STAGES,
+                                       K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16)
+            m_i, l_i, acc = _ring_step(j + 1, m_i, l_i, acc, set1, set0, step, BS, H, GROUP, TW, K_KO, OFF64,
+                                       STAGES, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16)
+        if n_whole % 2 == 1:  # the last whole tile, even
+            m_i, l_i, acc = _ring_step(n_whole - 1, m_i, l_i, acc, set0, set1, step, BS, H, GROUP, TW, K_KO, OFF64,
+                                       STAGES, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16)
+        _wait_group(0)
+        return m_i, l_i, acc
+
+    @gluon.jit
+    def _pair_plan(has_part, n_whole, start, end, full_end, tile):
+        """Tile pairs: (pairs of whole tiles, whether a masked first pass runs, its first tile's start nA,
+        the lone last whole tile's start, and the end of its tokens taken by that pass). The first pass
+        takes the partial tile, or the lone last whole tile of an odd count, and, when there are both,
+        that whole tile too (else its second tile is empty)."""
+        odd = (n_whole % 2) == 1
+        last_whole = start + (n_whole - 1) * tile
+        part_i = has_part.to(gl.int32)
+        nA = full_end * part_i + last_whole * (1 - part_i)
+        endB = last_whole + (end - last_whole) * (has_part & odd).to(gl.int32)
+        return n_whole // 2, has_part | odd, nA, last_whole, endB
+
+    @gluon.jit
+    def _pair_issue_first(set0, set1, pp, start, end, bt_row, h, pages, cidx, BS: gl.constexpr, H: gl.constexpr,
+                          TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr):
+        """Tile pairs' first copies: the masked first pass (_pair_plan) into set 1, pair 0 into set 0."""
+        n_pairs, extra, nA, last_whole, endB = pp
+        if extra:
+            _issue_tile(set1, 0, nA, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, True)
+            _issue_tile(set1, 1, last_whole, endB, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, True)
+        _commit_group()
+        if n_pairs > 0:
+            _issue_tile(set0, 0, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, False)
+            _issue_tile(set0, 1, start + 4 * TW, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, False)
+        _commit_group()
+
+    @gluon.jit
+    def _pair_loop(m_i, l_i, acc, set0, set1, pp, step, BS: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr,
+                   TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr, K_LOAD: gl.constexpr,
+                   V_LOAD: gl.constexpr, S_ROW: gl.constexpr, S_ROW2: gl.constexpr, V_SCALE2: gl.constexpr,
+                   A_OP: gl.constexpr, B_OP: gl.constexpr, F16: gl.constexpr):
+        """Tile pairs after _pair_issue_first: the masked first pass, then pair q from set q % 2 while pair
+        q + 1 is copied into the other set."""
+        n_pairs, extra, nA, last_whole, endB = pp
+        end = step[1]
+        if extra:
+            _wait_group(1)  # the first pass's tiles have landed
+            _barrier()  # ... for every thread
+            m_i, l_i, acc = _pair_attend(nA, end, last_whole, endB, m_i, l_i, acc, set1, step, 0, 0, set1, BS, H,
+                                         GROUP, TW, K_KO, OFF64, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP,
+                                         F16, True, False)
+        for q in range(0, n_pairs - 1, 2):  # two pairs: set 0, then set 1
+            m_i, l_i, acc = _pair_step(q, m_i, l_i, acc, set0, set1, n_pairs, step, BS, H, GROUP, TW, K_KO, OFF64,
+                                       K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16, True)
+            m_i, l_i, acc = _pair_step(q + 1, m_i, l_i, acc, set1, set0, n_pairs, step, BS, H, GROUP, TW, K_KO,
+                                       OFF64, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16, True)
+        if n_pairs % 2 == 1:  # the last pair, from set 0, nothing to copy
+            m_i, l_i, acc = _pair_step(n_pairs - 1, m_i, l_i, acc, set0, set1, n_pairs, step, BS, H, GROUP, TW, K_KO,
+                                       OFF64, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16, False)
+        _wait_group(0)
+        return m_i, l_i, acc
+
+    @gluon.jit
     def _decode_fp4_gluon_kernel(
         q_ptr, qt_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         k0, k1, k2, k3, k4, v0, v1, v2,
@@ -589,7 +848,7 @@ if AVAILABLE:
         TW: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
         K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, COPY_ROW: gl.constexpr, COPY_ROW2: gl.constexpr,
         S_ROW2: gl.constexpr, V_SCALE2: gl.constexpr, OFF64: gl.constexpr, STAGES: gl.constexpr,
-        F16: gl.constexpr,
+        F16: gl.constexpr, PAIR: gl.constexpr,
     ):
         D: gl.constexpr = 128
         WN: gl.constexpr = 4
@@ -617,7 +876,10 @@ if AVAILABLE:
         r_s = gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, S_ROW)), 0)
         n_s = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
         n_s3 = gl.expand_dims(gl.expand_dims(n_s, 0), 1)  # [1, 1, NH]
-        qt_cols = qt_base + n_s3
+        if PAIR > 0:  # columns c and c + 4 are query head c (of two tiles, when paired)
+            qt_cols = qt_base + n_s3 % 4
+        else:
+            qt_cols = qt_base + n_s3
         KL3: gl.constexpr = gl.SliceLayout(3, K_LOAD)
         w_k = gl.expand_dims(gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL3))), 1), 2)
         r_k = gl.expand_dims(gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL3))), 0), 2)
@@ -647,6 +909,7 @@ if AVAILABLE:
             # a second barrier per tile before the copies (7% of the stall samples, ncu), not knowing
             # that the loop's barrier already orders them. Whole tile j sits in set j % 2, stage
             # (j // 2) % (STAGES // 2); the partial tile (attended first) in whole tile STAGES - 1's slot.
+            # Tile pairs: set q % 2 holds whole tiles 2q (stage 0) and 2q + 1 (stage 1), attended as pair q
             set0 = _ring_set(STAGES // 2, WN, TW, K_KO)
             set1 = _ring_set(STAGES // 2, WN, TW, K_KO)
             shifts = (8 * t_k, ((r_s * H + h) & 3) * 8, 8 * (g_v // 2))
@@ -664,16 +927,19 @@ if AVAILABLE:
             # partial tile, then one per loop step.
             has_part = full_end < end
             n_whole = (full_end - start) // tile
-            if has_part:
-                _issue_tile(set1, STAGES // 2 - 1, full_end, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64,
-                            True)
-            _commit_group()
-            for j in gl.static_range(STAGES - 2):
-                if j % 2 == 0:
-                    _issue_whole(set0, j, n_whole, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, STAGES)
+            if PAIR > 0:
+                # Tile pairs where the split has at least PAIR whole tiles (shorter ones keep the deeper ring of
+                # single tiles, measured faster there): each sequence's choice depends on its length only.
+                use_pair = n_whole >= PAIR
+                pp = _pair_plan(has_part, n_whole, start, end, full_end, tile)
+                if use_pair:
+                    _pair_issue_first(set0, set1, pp, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64)
                 else:
-                    _issue_whole(set1, j, n_whole, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, STAGES)
-                _commit_group()
+                    _ring_issue_first(set0, set1, has_part, n_whole, start, end, full_end, bt_row, h, pages, cidx, BS,
+                                      H, TW, K_KO, OFF64, STAGES)
+            else:
+                _ring_issue_first(set0, set1, has_part, n_whole, start, end, full_end, bt_row, h, pages, cidx, BS, H,
+                                  TW, K_KO, OFF64, STAGES)
 
         # The query as [D, heads] (a thread per dimension, coalesced: the scratch and the scale below;
         # the B operand further down loads it again, every warp the whole query). The key outlier slots
@@ -696,6 +962,10 @@ if AVAILABLE:
         q_mask = gl.expand_dims(gl.expand_dims(nq < GROUP, 0), 1)
         wq = gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_OP)))
         q_off = q_off + gl.expand_dims(gl.expand_dims(wq * 0, 1), 2)
+        if PAIR > 0:  # tile pairs: the query in both column halves (head c in columns c and c + 4)
+            q_off = gl.expand_dims(gl.expand_dims(dim_k, 0), 2) + gl.expand_dims(gl.expand_dims((nq % 4) * stride_q_head, 0), 1)
+            q_mask = gl.expand_dims(gl.expand_dims((nq % 4 < GROUP) & ((nq < 4) | use_pair), 0), 1)
+            q_off = q_off + gl.expand_dims(gl.expand_dims(wq * 0, 1), 2)
         qf = gl.load(q_base + q_off, mask=q_mask & (q_off >= 0), other=0.0)
         if F16:
             # fp16 (11 significant bits, bf16's 8 exact) with a power of two F that brings the largest
@@ -716,7 +986,10 @@ if AVAILABLE:
         m_i = gl.full([WN, NH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
         l_i = gl.zeros([WN, TW, NH], gl.float32, layout=MMA)  # per-thread partial sums, reduced at the end
         acc = gl.zeros([WN, D, NH], gl.float32, layout=MMA)  # O^T per warp
-        col_mask = n_s3 < GROUP
+        if PAIR > 0:
+            col_mask = (n_s3 % 4 < GROUP) & ((n_s3 < 4) | use_pair)
+        else:
+            col_mask = n_s3 < GROUP
         if STAGES == 0:  # loads straight into registers, where they are used
             off_ks = r_k * (H * NG) + t_k  # group t of 4
             off_vs = 2 * p_v * (H * NG) + g_v // 2
@@ -732,38 +1005,36 @@ if AVAILABLE:
                                       K_KO)
                 m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qo, data, w_s, r_s, k_factor,
                                              TW, K_KO, True, A_OP, B_OP, F16)
+        elif PAIR > 0:
+            if use_pair:
+                pstep = (start, end, bt_row, h, pages, cidx, shifts, qt, qt_cols, col_mask, w_s, r_s, k_factor,
+                         _lane_half(w_s * 0 + r_s))
+                m_i, l_i, acc = _pair_loop(m_i, l_i, acc, set0, set1, pp, pstep, BS, H, GROUP, TW, K_KO, OFF64, K_LOAD,
+                                           V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16)
+            else:
+                step = (start, end, n_whole, bt_row, h, pages, cidx, shifts, qt, qt_cols, col_mask, w_s, r_s, k_factor)
+                m_i, l_i, acc = _ring_loop(m_i, l_i, acc, set0, set1, has_part, full_end, step, BS, H, GROUP, TW, K_KO,
+                                           OFF64, STAGES, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16)
         else:
-            if has_part:
-                _wait_group(STAGES - 2)  # the partial tile has landed
-                _barrier()  # ... for every thread
-                data = _read_tile(set1, STAGES // 2 - 1, shifts, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, K_KO)
-                qo = _outlier_queries(qt_cols, col_mask, data[3], full_end + TW * w_s + r_s < end, GROUP, True,
-                                      K_KO)
-                m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, qo, data, w_s, r_s, k_factor,
-                                             TW, K_KO, True, A_OP, B_OP, F16)
-            # whole tile STAGES - 2, into set (STAGES - 2) % 2 = 0
-            _issue_whole(set0, STAGES - 2, n_whole, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, STAGES)
-            _commit_group()
             step = (start, end, n_whole, bt_row, h, pages, cidx, shifts, qt, qt_cols, col_mask, w_s, r_s, k_factor)
-            for j in range(0, n_whole - 1, 2):  # two whole tiles: even from set 0, odd from set 1
-                m_i, l_i, acc = _ring_step(j, m_i, l_i, acc, set0, set1, step, BS, H, GROUP, TW, K_KO, OFF64, STAGES,
-                                           K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16)
-                m_i, l_i, acc = _ring_step(j + 1, m_i, l_i, acc, set1, set0, step, BS, H, GROUP, TW, K_KO, OFF64,
-                                           STAGES, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16)
-            if n_whole % 2 == 1:  # the last whole tile, even
-                m_i, l_i, acc = _ring_step(n_whole - 1, m_i, l_i, acc, set0, set1, step, BS, H, GROUP, TW, K_KO, OFF64,
-                                           STAGES, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16)
-            _wait_group(0)
+            m_i, l_i, acc = _ring_loop(m_i, l_i, acc, set0, set1, has_part, full_end, step, BS, H, GROUP, TW, K_KO,
+                                       OFF64, STAGES, K_LOAD, V_LOAD, S_ROW, S_ROW2, V_SCALE2, A_OP, B_OP, F16)
 
         # merge the warps' states
         l_w = gl.sum(l_i, 1)  # [WN, NH]
         m_all = gl.max(m_i, 0)  # [NH]
+        if PAIR > 0:  # paired: columns c and c + 4 are two states of head c
+            m_all = gl.where(use_pair, gl.maximum(m_all, _partner(m_all)), m_all)
         m_all_use = gl.where(m_all == float("-inf"), 0.0, m_all)
         wgt = gl.exp2(m_i - gl.expand_dims(m_all_use, 0))  # [WN, NH]
         l_tot = gl.sum(l_w * wgt, 0)  # [NH]
+        if PAIR > 0:
+            l_tot = gl.where(use_pair, l_tot + _partner(l_tot), l_tot)
         empty = l_tot == 0.0  # an empty split (past this sequence's end) writes lse -inf and zeros
         inv = gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_tot))
         o = gl.sum(acc * gl.expand_dims(wgt * gl.expand_dims(inv, 0), 1), 0)  # [D, NH]
+        if PAIR > 0:
+            o = gl.where(use_pair, o + _partner(o), o)
         OL: gl.constexpr = o.type.layout
         mrow = gl.arange(0, D, layout=gl.SliceLayout(1, OL))
         dim_o = 16 * (mrow & 7) + 2 * (mrow >> 4) + ((mrow >> 3) & 1)
@@ -817,7 +1088,8 @@ class Launch:
     (cached) to size the splits from its registers, run() launches it."""
 
     def __init__(self, query, k_pages, v_pages, block_tables, seq_lens, sm_scale_log2: float, k_outliers: int,
-                 maxnreg: int | None = None, stages: int | None = None, fp16: bool | None = None):
+                 maxnreg: int | None = None, stages: int | None = None, fp16: bool | None = None,
+                 pair: int | None = None):
         num_seqs, num_heads, _ = query.shape
         _, bs, num_kv_heads, _ = k_pages.codes.shape
         group = num_heads // num_kv_heads
@@ -837,19 +1109,27 @@ class Launch:
                       k_pages.out_idx, v_pages.codes, v_pages.scales.view(v_pages.codes.dtype), v_pages.scale_exp)
         self.rest = (block_tables, seq_lens, sm_scale_log2, query.stride(0), query.stride(1), block_tables.stride(0))
         self.grid_hb = (num_kv_heads, num_seqs)
+        # tile pairs (pair: the fewest whole tiles in a split that takes them, 0 never): at most 4 query
+        # heads per KV head (the columns they use), the 4-tile ring (two pairs)
+        pair = (PAIR_MIN_TILES if pair is None else pair) if group <= N_HEADS // 2 and stages == 4 else 0
+        self._single_maxnreg = maxnreg  # the cap without pairs
+        if pair and maxnreg is None:
+            maxnreg = PAIR_MAXNREG
+        self._pair_settled = not pair
         self.constexprs = dict(
             H=num_kv_heads, GROUP=group, BS=bs, K_KO=k_outliers, TW=TW,
             OFF64=max(k_pages.codes.numel(), v_pages.codes.numel()) >= 2 ** 31, **_layouts_cached(),
             STAGES=stages, F16=F16_DEFAULT if fp16 is None else fp16,
+            PAIR=pair,
             num_warps=W, **({"maxnreg": maxnreg} if maxnreg else {}))
 
     def _key(self) -> tuple:
         return (self.query.device, self.query.dtype, self.rest[0].dtype, self.rest[1].dtype,
                 tuple(sorted(self.constexprs.items())))
 
-    def resources(self) -> tuple[int, int]:
-        """(registers per thread, shared memory bytes per program) of this launch's kernel, compiled
-        once per configuration."""
+    def _compiled(self) -> tuple[int, int, int]:
+        """(registers per thread, shared memory bytes per program, spilled bytes per thread) of this
+        launch's kernel as it stands, compiled once per configuration."""
         key = self._key()
         if key not in _RESOURCES:
             part = torch.empty(1, dtype=torch.float32, device=self.query.device)
@@ -857,12 +1137,29 @@ class Launch:
                 self.query, self.q_t, self.query, part, part, *self.pages, *self.rest, 128, 2, SPLIT=True,
                 grid=(1,), **self.constexprs)
             kernel._init_handles()
-            _RESOURCES[key] = kernel.n_regs, kernel.metadata.shared
+            _RESOURCES[key] = kernel.n_regs, kernel.metadata.shared, kernel.n_spills
         return _RESOURCES[key]
+
+    def _settle_pair(self) -> None:
+        """Tile pairs only where the compiler fits them in PAIR_MAXNREG registers: with a Triton whose
+        paired kernel spills (3.9 spills 64 bytes per thread; 3.6, measured on the H200, none), single tiles.
+        Compiles the paired kernel once per configuration, on the first launch or resources() call."""
+        if not self._pair_settled:
+            self._pair_settled = True
+            if self._compiled()[2] > 0:
+                self.constexprs = {k: v for k, v in self.constexprs.items() if k != "maxnreg"}
+                self.constexprs.update(PAIR=0, **({"maxnreg": self._single_maxnreg} if self._single_maxnreg else {}))
+
+    def resources(self) -> tuple[int, int]:
+        """(registers per thread, shared memory bytes per program) of this launch's kernel, compiled
+        once per configuration."""
+        self._settle_pair()
+        return self._compiled()[:2]
 
     def programs_per_sm(self) -> int:
         """Programs of this kernel resident per SM, from its compiled registers and shared memory
         (resources(): it sets the split count, so the grid fills whole waves)."""
+        self._settle_pair()
         key = self._key()
         if key not in _PROGRAMS_PER_SM:
             n_regs, shared = self.resources()
@@ -881,6 +1178,7 @@ class Launch:
     def run(self, out, part_o, part_lse, split_size: int, num_splits: int) -> None:
         """Launch over (KV head, sequence, split); split_size (a multiple of W * TW) is the longest
         split, each sequence's length is split num_splits ways in whole tiles."""
+        self._settle_pair()
         _decode_fp4_gluon_kernel[(*self.grid_hb, num_splits)](
             self.query, self.q_t, out, part_o, part_lse, *self.pages, *self.rest, split_size, num_splits,
             SPLIT=num_splits > 1, **self.constexprs)
@@ -901,6 +1199,15 @@ STAGES = 4
 # batch it ran in (a CUDA-graph bucket against the eager batch; tests/test_engine_gpu.py found it).
 # Launch's fp16 (decode_attention's) forces either.
 F16_DEFAULT = True
+# Tile pairs (two tiles per pass in the padding columns, at most 4 query heads per KV head) for splits of at
+# least this many whole tiles (64 tokens each); shorter ones run single tiles. On the H200, 8B shape: 1.02-1.06x
+# at batch 8-32, 8k-32k, with splits of 16-256 tiles; with pairs at every length, splits of 5-8 tiles were
+# 0.955-0.983x (one pair ahead in the ring against two to three single tiles); bench/RESULTS.md, issue 19's
+# fifteenth step. Launch's pair (decode_attention's) overrides it, 0 never pairs.
+PAIR_MIN_TILES = 16
+# The paired kernel takes 161-168 registers uncapped (3 programs per SM); at 128 (4 per SM, as the single-tile
+# kernel) ptxas spills nothing (bench/kernel_sass.py).
+PAIR_MAXNREG = 128
 
 
 _PROGRAMS_PER_SM: dict = {}
