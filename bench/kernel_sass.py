@@ -159,8 +159,7 @@ def main() -> None:
                 if fn.is_gluon():  # its own parameters only
                     const = dict({"SPLIT": True}, H=heads, GROUP=group, BS=16, **extra)
                     if const["PAIR"] is None:
-                        pairs = group <= decode_fp4_gluon.N_HEADS // 2 and const["STAGES"] == 4
-                        const["PAIR"] = decode_fp4_gluon.PAIR_MIN_TILES if pairs else 0
+                        const["PAIR"] = decode_fp4_gluon.pair_min_tiles(group, const["STAGES"])
                     pair = const["PAIR"]
                     if pair:
                         maxnreg, tiles = decode_fp4_gluon.PAIR_MAXNREG, 4

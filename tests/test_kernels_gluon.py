@@ -56,9 +56,10 @@ def test_compiles_for_hopper_as_designed():
         # no spills, except in the paired kernel with a Triton that cannot fit it in PAIR_MAXNREG registers
         # (3.9: 64 bytes; 3.6, the GPU machine's: none), where Launch takes single tiles instead
         # (test_tile_pairs_that_spill_fall_back_to_single_tiles_on_gpu)
-        assert r["stack"] == 0 or pairs, f"register spills: {r}"
+        assert r["stack"] == 0 or (pairs and not r["triton"].startswith("3.6")), f"register spills: {r}"
         assert r["regs"] <= 128, f"more than 128 registers: fewer than 4 programs per SM: {r}"
         # tile pairs by default at 4 query heads per KV head with the ring, never at 8 (no padding columns)
+        # (kernel_sass asks decode_fp4_gluon.pair_min_tiles, as Launch does)
         assert pairs == (r["model"] == "8B" and not r["kernel"].endswith(("loads into registers", "(pair=0)"))), r
         if r["kernel"].endswith("loads into registers"):
             assert not {"LDS", "STS", "BAR", "LDSM", "LDGSTS"} & set(ops), f"shared memory in the loop: {r}"
@@ -296,43 +297,48 @@ def test_ring_whole_tile_counts_on_gpu(stages, kv_heads, group):
 @on_gpu
 @needs_gluon
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("kv_heads,group", [(8, 4), (2, 1), (2, 3)])
-def test_tile_pairs_on_gpu(num_splits, kv_heads, group):
+@pytest.mark.parametrize("fp16", [True, False])
+@pytest.mark.parametrize("kv_heads,group", [(8, 4), (2, 1), (4, 2), (2, 3)])
+def test_tile_pairs_on_gpu(num_splits, kv_heads, group, fp16):
     """Tile pairs from one whole tile on (pair=1): the masked first pass (the partial tile, the lone
     last whole tile of an odd count, or both), then pairs of whole tiles from the ring's two sets, each
-    head's two column states merged at the end; lengths 64 n + {0, 1, 63} give 0 to 12 whole tiles.
-    Checked against the reference, and that pairs did run (the paired kernel fits this Triton's
-    registers, else the launcher would have taken single tiles)."""
+    head's two column states merged at the end; lengths 64 n + {0, 1, 63} give 0 to 12 whole tiles; both
+    code-to-number maps. Against the reference. Skipped where this Triton's paired kernel spills (the
+    launcher then runs single tiles: test_tile_pairs_that_spill_fall_back_to_single_tiles_on_gpu)."""
     seq_lens = [64 * n + e for n in range(13) for e in (0, 1, 63) if 64 * n + e > 0]
     table, kp, vp = cuda_fp4_pages(seq_lens, kv_heads, 16, DEFAULT_FP4, seed=num_splits + group)
     query = torch.randn(len(seq_lens), kv_heads * group, 128, device="cuda").bfloat16()
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    launch = decode_fp4_gluon.Launch(query, kp, vp, table, lens, 1.0, 4, pair=1, fp16=fp16)
+    launch.resources()
+    if launch.constexprs["PAIR"] == 0:
+        pytest.skip("the paired kernel spills with this Triton: the launcher runs single tiles")
+    assert launch.constexprs["PAIR"] == 1 and launch.constexprs["maxnreg"] == decode_fp4_gluon.PAIR_MAXNREG
     out = torch.full_like(query, float("nan"))
     decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), DEFAULT_FP4, num_splits=num_splits,
-                     out=out, gluon=True, pair=1)
+                     out=out, gluon=True, pair=1, fp16=fp16)
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
     assert _worst_rel_err(out, ref) < 1e-2
-    launch = decode_fp4_gluon.Launch(query, kp, vp, table, lens, 1.0, 4, pair=1)
-    launch.resources()
-    assert launch.constexprs["PAIR"] == 1 and launch.constexprs["maxnreg"] == decode_fp4_gluon.PAIR_MAXNREG
 
 
 @on_gpu
 @needs_gluon
 def test_tile_pairs_that_spill_fall_back_to_single_tiles_on_gpu(monkeypatch):
     """With too few registers for the paired kernel (a cap of 64: it spills) the launcher takes single
-    tiles, without the pairs' cap, and the result is still the reference's."""
+    tiles, without the pairs' cap, on the first thing it does that compiles (here the launch itself), and
+    the result is still the reference's."""
     monkeypatch.setattr(decode_fp4_gluon, "PAIR_MAXNREG", 64)
     seq_lens = [4099, 1025, 3000]
     table, kp, vp = cuda_fp4_pages(seq_lens, 8, 16, DEFAULT_FP4, seed=5)
     query = torch.randn(len(seq_lens), 32, 128, device="cuda").bfloat16()
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    launch = decode_fp4_gluon.Launch(query, kp, vp, table, lens, 1.0, 4)
+    launch = decode_fp4_gluon.Launch(query, kp, vp, table, lens, 128 ** -0.5 * 1.4426950408889634, 4)
     assert launch.constexprs["PAIR"] == decode_fp4_gluon.PAIR_MIN_TILES and launch.constexprs["maxnreg"] == 64
-    launch.resources()
+    out = torch.full_like(query, float("nan"))
+    part = torch.empty(1, dtype=torch.float32, device="cuda")
+    launch.run(out, part, part, -(-max(seq_lens) // 64) * 64, 1)  # one split of whole tiles
     assert launch.constexprs["PAIR"] == 0 and "maxnreg" not in launch.constexprs
-    out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), DEFAULT_FP4, num_splits=1,
-                           gluon=True)
+    assert launch._compiled()[2] == 0  # what ran did not spill
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
     assert _worst_rel_err(out, ref) < 1e-2
 

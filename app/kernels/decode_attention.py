@@ -342,9 +342,10 @@ def decode_attention(
     kernels only: block_n: tokens per tile (None: 128 for fp4 pages, 64 otherwise, the fastest in
     bench/RESULTS.md); num_warps; precise_pv: the PV product from p split into two bf16
     terms (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton.
-    maxnreg: a register cap on CUDA (None: 128 for _decode_fp4_kernel at head_dim 128, none for the
-    Gluon kernel; 0: none). fp16, Gluon kernel only: its code-to-number map, fp16 MMAs (True) or bf16
-    (False) (None: decode_fp4_gluon.F16_DEFAULT, fp16). pair, Gluon kernel only: tile pairs (two tiles per
+    maxnreg: a register cap on CUDA (None: 128 for _decode_fp4_kernel at head_dim 128; for the Gluon
+    kernel decode_fp4_gluon.PAIR_MAXNREG (128) with tile pairs, else none; 0: none, which leaves the
+    paired Gluon kernel at 161-168 registers, 3 programs per SM). fp16, Gluon kernel only: its
+    code-to-number map, fp16 MMAs (True) or bf16 (False) (None: decode_fp4_gluon.F16_DEFAULT, fp16). pair, Gluon kernel only: tile pairs (two tiles per
     pass in the MMA's padding columns, at most 4 query heads per KV head and a 4-tile ring) for splits
     with at least this many whole tiles, 0 never (None: decode_fp4_gluon.PAIR_MIN_TILES)."""
     num_seqs, num_heads, head_dim = query.shape

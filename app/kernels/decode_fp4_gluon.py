@@ -853,6 +853,7 @@ if AVAILABLE:
         D: gl.constexpr = 128
         WN: gl.constexpr = 4
         NG: gl.constexpr = 4  # groups of 32 per vector
+        gl.static_assert(PAIR == 0 or STAGES == 4, "tile pairs need the 4-tile ring (pair_min_tiles)")
         NH: gl.constexpr = 8
         h = gl.program_id(0)
         b = gl.program_id(1)
@@ -1083,6 +1084,13 @@ def unsupported(query, k_pages, v_pages, formats, block_size: int) -> str | None
     return None
 
 
+def pair_min_tiles(group: int, stages: int, pair: int | None = None) -> int:
+    """The kernel's PAIR for a launch: the fewest whole tiles in a split that takes tile pairs (pair, else
+    PAIR_MIN_TILES), or 0 (never): pairs need padding columns (at most N_HEADS // 2 query heads per KV head)
+    and the 4-tile ring (two pairs)."""
+    return (PAIR_MIN_TILES if pair is None else pair) if group <= N_HEADS // 2 and stages == 4 else 0
+
+
 class Launch:
     """One decode's arguments for _decode_fp4_gluon_kernel, built once: programs_per_sm() compiles it
     (cached) to size the splits from its registers, run() launches it."""
@@ -1111,7 +1119,7 @@ class Launch:
         self.grid_hb = (num_kv_heads, num_seqs)
         # tile pairs (pair: the fewest whole tiles in a split that takes them, 0 never): at most 4 query
         # heads per KV head (the columns they use), the 4-tile ring (two pairs)
-        pair = (PAIR_MIN_TILES if pair is None else pair) if group <= N_HEADS // 2 and stages == 4 else 0
+        pair = pair_min_tiles(group, stages, pair)
         self._single_maxnreg = maxnreg  # the cap without pairs
         if pair and maxnreg is None:
             maxnreg = PAIR_MAXNREG
@@ -1143,7 +1151,8 @@ class Launch:
     def _settle_pair(self) -> None:
         """Tile pairs only where the compiler fits them in PAIR_MAXNREG registers: with a Triton whose
         paired kernel spills (3.9 spills 64 bytes per thread; 3.6, measured on the H200, none), single tiles.
-        Compiles the paired kernel once per configuration, on the first launch or resources() call."""
+        Compiles the paired kernel once per configuration, on the first launch or resources() call; the
+        check reads the split build (SPLIT=True), whose loop is the one-split build's."""
         if not self._pair_settled:
             self._pair_settled = True
             if self._compiled()[2] > 0:
@@ -1201,12 +1210,13 @@ STAGES = 4
 F16_DEFAULT = True
 # Tile pairs (two tiles per pass in the padding columns, at most 4 query heads per KV head) for splits of at
 # least this many whole tiles (64 tokens each); shorter ones run single tiles. On the H200, 8B shape: 1.02-1.06x
-# at batch 8-32, 8k-32k, with splits of 16-256 tiles; with pairs at every length, splits of 5-8 tiles were
+# at batch 8-32, 8k-32k, with splits of 16-256 tiles; with pairs at every length, splits of 3-8 tiles were
 # 0.955-0.983x (one pair ahead in the ring against two to three single tiles); bench/RESULTS.md, issue 19's
 # fifteenth step. Launch's pair (decode_attention's) overrides it, 0 never pairs.
 PAIR_MIN_TILES = 16
 # The paired kernel takes 161-168 registers uncapped (3 programs per SM); at 128 (4 per SM, as the single-tile
-# kernel) ptxas spills nothing (bench/kernel_sass.py).
+# kernel) Triton 3.6 spills nothing, 3.9 spills 64 bytes per thread (bench/kernel_sass.py), and Launch then
+# runs single tiles (_settle_pair).
 PAIR_MAXNREG = 128
 
 
