@@ -516,14 +516,26 @@ if AVAILABLE:
         return _tile_update(n0, end, m_i, l_i, acc, s, tile, w_s, r_s, TW, MASKED, A_OP, B_OP, F16)
 
     @gluon.jit
+    def _key_operand(kc, ks, A_OP: gl.constexpr, F16: gl.constexpr):
+        """A tile's key codes and scale bits (_read_k / _load_tile) -> K as the scores' MMA A operand."""
+        if F16:
+            return gl.convert_layout(_unpack_k(kc, f16_scales(ks, ks), True), A_OP, assert_trivial=True)
+        else:
+            return gl.convert_layout(_unpack_k(kc, bf16_scales(ks, ks), False), A_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _value_operand(ca, cb, sa, sb, A_OP: gl.constexpr, F16: gl.constexpr):
+        """A tile's value codes and scale bits (_read_v / _load_tile) -> V^T as the PV MMA's A operand."""
+        if F16:
+            return gl.convert_layout(_unpack_v(ca, cb, f16_scales(sa, sb), True), A_OP, assert_trivial=True)
+        else:
+            return gl.convert_layout(_unpack_v(ca, cb, bf16_scales(sa, sb), False), A_OP, assert_trivial=True)
+
+    @gluon.jit
     def _tile_scores(qt, qo, tile, l_i, sm_scale_log2, K_KO: gl.constexpr, A_OP: gl.constexpr, F16: gl.constexpr):
         """_attend_tile's first half: the tile's scores S^T = K Q^T x the keys' factors, outliers added."""
         kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb = tile
-        if F16:
-            ka = gl.convert_layout(_unpack_k(kc, f16_scales(ks, ks), True), A_OP, assert_trivial=True)
-        else:
-            ka = gl.convert_layout(_unpack_k(kc, bf16_scales(ks, ks), False), A_OP, assert_trivial=True)
-        s = mma_v2(ka, qt, gl.zeros_like(l_i))
+        s = mma_v2(_key_operand(kc, ks, A_OP, F16), qt, gl.zeros_like(l_i))
         fk = _pow2_scale(ek) * sm_scale_log2
         s = s * gl.expand_dims(fk, 2)
         if K_KO == 4:
@@ -571,11 +583,7 @@ if AVAILABLE:
         ms = n0 + TW * w_s + r_s < end  # [W, TW]
         m_new, l_i, alpha, pt = _softmax_update(m_i, l_i, s, ms, ev, MASKED, B_OP, F16)
         # V -> O^T += V^T P^T; V^T's columns are token pairs (2 pair, 2 pair + 1)
-        if F16:
-            vt = gl.convert_layout(_unpack_v(ca, cb, f16_scales(sa, sb), True), A_OP, assert_trivial=True)
-        else:
-            vt = gl.convert_layout(_unpack_v(ca, cb, bf16_scales(sa, sb), False), A_OP, assert_trivial=True)
-        acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
+        acc = mma_v2(_value_operand(ca, cb, sa, sb, A_OP, F16), pt, acc * gl.expand_dims(alpha, 1))
         return m_new, l_i, acc
 
     @gluon.jit
@@ -655,11 +663,7 @@ if AVAILABLE:
     def _pair_keys(bufs, stage, shifts, qt, l_i, K_LOAD: gl.constexpr, A_OP: gl.constexpr, F16: gl.constexpr):
         """A paired tile's scores S^T = K Q^T (stage 0: tile A, 1: tile B), unscaled: read, unpack, MMA."""
         kc, ks = _read_k(bufs, stage, shifts, K_LOAD)
-        if F16:
-            ka = gl.convert_layout(_unpack_k(kc, f16_scales(ks, ks), True), A_OP, assert_trivial=True)
-        else:
-            ka = gl.convert_layout(_unpack_k(kc, bf16_scales(ks, ks), False), A_OP, assert_trivial=True)
-        return mma_v2(ka, qt, gl.zeros_like(l_i))
+        return mma_v2(_key_operand(kc, ks, A_OP, F16), qt, gl.zeros_like(l_i))
 
     @gluon.jit
     def _pair_values(bufs, stage, shifts, pt, acc, V_LOAD: gl.constexpr, V_SCALE2: gl.constexpr, A_OP: gl.constexpr,
@@ -667,11 +671,7 @@ if AVAILABLE:
         """acc + V^T pt for a paired tile (stage 0: tile A, 1: tile B; pt: its probabilities in its columns,
         zeros in the other half): read, unpack, MMA."""
         ca, cb, sa, sb = _read_v(bufs, stage, shifts, V_LOAD, V_SCALE2)
-        if F16:
-            vt = gl.convert_layout(_unpack_v(ca, cb, f16_scales(sa, sb), True), A_OP, assert_trivial=True)
-        else:
-            vt = gl.convert_layout(_unpack_v(ca, cb, bf16_scales(sa, sb), False), A_OP, assert_trivial=True)
-        return mma_v2(vt, pt, acc)
+        return mma_v2(_value_operand(ca, cb, sa, sb, A_OP, F16), pt, acc)
 
     @gluon.jit
     def _pair_attend(nA, endA, nB, endB, m_i, l_i, acc, bufs, step, next_pair, n_pairs, issue_set,
@@ -959,14 +959,16 @@ if AVAILABLE:
         kq = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
         nq = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_OP)))
         dim_k = 32 * ((kq >> 1) & 3) + 4 * (kq >> 4) + 2 * (kq & 1) + ((kq >> 3) & 1)
-        q_off = gl.expand_dims(gl.expand_dims(dim_k, 0), 2) + gl.expand_dims(gl.expand_dims(nq * stride_q_head, 0), 1)
-        q_mask = gl.expand_dims(gl.expand_dims(nq < GROUP, 0), 1)
+        if PAIR > 0:  # tile pairs: the query in both column halves (head c in columns c and c + 4)
+            q_head = nq % 4
+            q_cols = (q_head < GROUP) & ((nq < 4) | use_pair)
+        else:
+            q_head = nq
+            q_cols = nq < GROUP
+        q_off = gl.expand_dims(gl.expand_dims(dim_k, 0), 2) + gl.expand_dims(gl.expand_dims(q_head * stride_q_head, 0), 1)
+        q_mask = gl.expand_dims(gl.expand_dims(q_cols, 0), 1)
         wq = gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_OP)))
         q_off = q_off + gl.expand_dims(gl.expand_dims(wq * 0, 1), 2)
-        if PAIR > 0:  # tile pairs: the query in both column halves (head c in columns c and c + 4)
-            q_off = gl.expand_dims(gl.expand_dims(dim_k, 0), 2) + gl.expand_dims(gl.expand_dims((nq % 4) * stride_q_head, 0), 1)
-            q_mask = gl.expand_dims(gl.expand_dims((nq % 4 < GROUP) & ((nq < 4) | use_pair), 0), 1)
-            q_off = q_off + gl.expand_dims(gl.expand_dims(wq * 0, 1), 2)
         qf = gl.load(q_base + q_off, mask=q_mask & (q_off >= 0), other=0.0)
         if F16:
             # fp16 (11 significant bits, bf16's 8 exact) with a power of two F that brings the largest
