@@ -29,13 +29,15 @@ layout-level language), chosen so that nothing moves between threads except the 
   V_B^T P_B^T with each tile's probabilities in its own columns; the states of columns c and c + 4
   merge at the end (a lane shuffle: in mma.m16n8's layout they sit in lanes t and t ^ 2). A lane
   takes its half's per-token words (scales, exponents, outlier slots) with one select (_lane_half).
-  Loop instructions per (token, KV head) 37.7 -> 30.4 at the 8B shape (Triton 3.6). The ring then
+  Loop instructions per (token, KV head) 37.7 -> 30.05 at the 8B shape (Triton 3.6). The ring then
   holds two pairs, so a pair's copies fly while the pair before is attended (one tile pair ahead,
   where single tiles have two to three): splits of fewer than PAIR_MIN_TILES whole tiles keep single
-  tiles, chosen per program from its own length (bench/RESULTS.md, issue 19's fifteenth step). A pair
-  waits on one barrier; Triton 3.6's Membar pass adds a second between its two tiles' copies into one
-  set (it does not tell the set's stages apart; 3.9 does). Triton 3.9 cannot fit the paired kernel in
-  PAIR_MAXNREG registers (it spills 64 bytes): Launch then runs single tiles (_settle_pair).
+  tiles, chosen per program from its own length (bench/RESULTS.md, issue 19's fifteenth step); a
+  launch whose planned splits are all shorter runs the single-tile build (Launch.constexprs_for). A pair
+  waits on one barrier: each array of a set takes the pair's two tiles as one copy (_copy_pair; two
+  copies into one allocation made Triton 3.6's Membar pass put a second barrier between them, as it
+  does not tell an allocation's stages apart). Triton 3.9 cannot fit the paired kernel in
+  PAIR_MAXNREG registers (it spills): Launch then runs single tiles (_settle_pair).
 - Code-to-number maps, two ways (F16). bf16: paged._FP4_UNPACK_BODY's shifts and masks put each code
   into bf16 bits and one bf16x2 multiply per pair applies the group scale (and the bias). fp16: a code
   (s, e1 e0, m) placed as the byte s.00e1e0.m00 is E4M3 for its value x 2^-6, so shifts and masks
@@ -80,12 +82,36 @@ try:  # Gluon ships with Triton >= 3.5; without it decode_attention uses the Tri
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.runtime.jit import constexpr_function
 
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
     # cp.async: async_copy_global_to_shared in Triton 3.6, async_load from 3.7 (the old name then raises)
     _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _commit_group = async_copy.commit_group
     _wait_group = async_copy.wait_group
+
+    @constexpr_function
+    def _pair_layout(layout):
+        """A copy layout [W, ...] (a DistributedLinearLayout) -> the same with a leading dim of 2 (a pair's
+        two tiles) held in each thread's registers after the layout's own register bases."""
+        def z(b):
+            return [0] + list(b)
+        return gl.DistributedLinearLayout(reg_bases=[z(b) for b in layout.reg_bases] + [[1] + [0] * len(layout.shape)],
+                                          lane_bases=[z(b) for b in layout.lane_bases],
+                                          warp_bases=[z(b) for b in layout.warp_bases], block_bases=[],
+                                          shape=[2] + list(layout.shape))
+
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton 3.9's name; 3.6 has _reinterpret
+
+        @gluon.jit
+        def _reinterpret(buf, layout: gl.constexpr):
+            return buf.reinterpret(buf.dtype, buf.shape, layout)
+    else:
+
+        @gluon.jit
+        def _reinterpret(buf, layout: gl.constexpr):
+            return buf._reinterpret(buf.dtype, buf.shape, layout)
+
     AVAILABLE = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
@@ -394,18 +420,13 @@ if AVAILABLE:
         return kc, ks, ek, iw, vw0, vw1, ev, ca, cb, sa, sb
 
     @gluon.jit
-    def _issue_tile(bufs, stage, n0, end, bt_row, h, pages, cidx, BS: gl.constexpr, H: gl.constexpr,
-                    TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr, MASKED: gl.constexpr):
-        """Start copying one tile into stage `stage` of `bufs`, one of the ring's two allocations (cp.async,
-        STAGES > 0).
-        cp.async moves 4, 8 or 16 bytes, so byte arrays travel as the aligned word that holds the byte
-        (_read_tile picks it out): a token's 4 K or V scale bytes are one word, an exponent byte is
-        byte (row & 3) of word row >> 2. Per-token words are copied once per token (COPY_ROW), not
-        once per thread that reads them. MASKED (the partial tile, which the ring attends first): tokens
-        at or past `end` copy zeros."""
+    def _copy_rows(n0, end, bt_row, h, pages, cidx, BS: gl.constexpr, H: gl.constexpr, TW: gl.constexpr,
+                   OFF64: gl.constexpr, MASKED: gl.constexpr):
+        """Where one tile's words come from: the K code pointers [W, TW, 4, 4] (K_LOAD), the token rows
+        [W, TW] (COPY_ROW: one word per token), the V code pointers of each pair's first token [W, TW/2,
+        8, 2] (V_LOAD), and their masks (MASKED: tokens at or past `end` masked; else all true)."""
         D: gl.constexpr = 128
         i32: gl.constexpr = gl.pointer_type(gl.int32)
-        bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv = bufs
         k0, k1, k2, k3, k4, v0, v1, v2 = pages
         w_k, r_k, w_c, r_c, w_c2, r_c2, e_c2, w_v, p_v, off_kc, off_vc = cidx
         base_k = _tile_base(bt_row, n0 + TW * w_k, end, BS, H, h, OFF64, MASKED)  # [W, 1, 1]
@@ -423,21 +444,91 @@ if AVAILABLE:
             mc = r_c >= 0
             mva = p_v >= 0
             mvb = p_v >= 0
-        _async_load(bkc.index(stage), pk, gl.expand_dims(mk, 3))
+        return pk, gl.expand_dims(mk, 3), rows_c, mc, pa, gl.expand_dims(mva, 3), gl.expand_dims(mvb, 3)
+
+    @gluon.jit
+    def _copy_rows2(n0, end, bt_row, h, cidx, BS: gl.constexpr, H: gl.constexpr, TW: gl.constexpr,
+                    OFF64: gl.constexpr, MASKED: gl.constexpr):
+        """The word offsets [W, TW, 2] (COPY_ROW2) of each token's 2 key outlier value words, and their mask."""
+        w_k, r_k, w_c, r_c, w_c2, r_c2, e_c2, w_v, p_v, off_kc, off_vc = cidx
+        rows_c2 = _tile_base(bt_row, n0 + TW * w_c2, end, BS, H, h, OFF64, MASKED) + r_c2 * H  # [W, TW, 1]
+        if MASKED:
+            mc2 = n0 + TW * w_c2 + r_c2 < end
+        else:
+            mc2 = r_c2 >= 0
+        return rows_c2 * 2 + e_c2, mc2
+
+    @gluon.jit
+    def _issue_tile(bufs, stage, n0, end, bt_row, h, pages, cidx, BS: gl.constexpr, H: gl.constexpr,
+                    TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr, MASKED: gl.constexpr):
+        """Start copying one tile into stage `stage` of `bufs`, one of the ring's two allocations (cp.async,
+        STAGES > 0).
+        cp.async moves 4, 8 or 16 bytes, so byte arrays travel as the aligned word that holds the byte
+        (_read_tile picks it out): a token's 4 K or V scale bytes are one word, an exponent byte is
+        byte (row & 3) of word row >> 2. Per-token words are copied once per token (COPY_ROW), not
+        once per thread that reads them. MASKED (the partial tile, which the ring attends first): tokens
+        at or past `end` copy zeros. (The outlier value rows are computed after the first copies: computed
+        with the others, Triton 3.9 took 134 registers at the 8B shape.)"""
+        D: gl.constexpr = 128
+        i32: gl.constexpr = gl.pointer_type(gl.int32)
+        bkc, bks, bek, biw, bvw, bev, bca, bcb, bsv = bufs
+        k0, k1, k2, k3, k4, v0, v1, v2 = pages
+        pk, mk, rows_c, mc, pa, mva, mvb = _copy_rows(n0, end, bt_row, h, pages, cidx, BS, H, TW, OFF64, MASKED)
+        _async_load(bkc.index(stage), pk, mk)
         _async_load(bks.index(stage), k1.to(i32) + rows_c, mc)  # a token's 4 scale bytes: one word
         _async_load(bek.index(stage), k2.to(i32) + (rows_c >> 2), mc)
         if K_KO == 4:
             _async_load(biw.index(stage), k4.to(i32) + rows_c, mc)
-            rows_c2 = _tile_base(bt_row, n0 + TW * w_c2, end, BS, H, h, OFF64, MASKED) + r_c2 * H  # [W, TW, 1]
-            if MASKED:
-                mc2 = n0 + TW * w_c2 + r_c2 < end
-            else:
-                mc2 = r_c2 >= 0
-            _async_load(bvw.index(stage), k3.to(i32) + rows_c2 * 2 + e_c2, mc2)
+            words2, mc2 = _copy_rows2(n0, end, bt_row, h, cidx, BS, H, TW, OFF64, MASKED)
+            _async_load(bvw.index(stage), k3.to(i32) + words2, mc2)
         _async_load(bev.index(stage), v2.to(i32) + (rows_c >> 2), mc)
-        _async_load(bca.index(stage), pa, gl.expand_dims(mva, 3))
-        _async_load(bcb.index(stage), pa + H * (D // 8), gl.expand_dims(mvb, 3))
+        _async_load(bca.index(stage), pa, mva)
+        _async_load(bcb.index(stage), pa + H * (D // 8), mvb)
         _async_load(bsv.index(stage), v1.to(i32) + rows_c, mc)
+
+    @gluon.jit
+    def _pair_sources(n0, bt_row, h, pages, cidx, BS: gl.constexpr, H: gl.constexpr, TW: gl.constexpr,
+                      K_KO: gl.constexpr, OFF64: gl.constexpr):
+        """A whole tile's source pointers, one per array of a ring set (_ring_set's order; K_KO == 0: the
+        outlier arrays' entries repeat the exponent's and are never copied)."""
+        D: gl.constexpr = 128
+        i32: gl.constexpr = gl.pointer_type(gl.int32)
+        k0, k1, k2, k3, k4, v0, v1, v2 = pages
+        pk, mk, rows_c, mc, pa, mva, mvb = _copy_rows(n0, n0, bt_row, h, pages, cidx, BS, H, TW, OFF64, False)
+        ek = k2.to(i32) + (rows_c >> 2)
+        if K_KO == 4:
+            words2, mc2 = _copy_rows2(n0, n0, bt_row, h, cidx, BS, H, TW, OFF64, False)
+            iw = k4.to(i32) + rows_c
+            vw = k3.to(i32) + words2
+        else:
+            iw = ek
+            vw = ek
+        return (pk, k1.to(i32) + rows_c, ek, iw, vw, v2.to(i32) + (rows_c >> 2), pa, pa + H * (D // 8),
+                v1.to(i32) + rows_c)
+
+    @gluon.jit
+    def _copy_pair(buf, a, b):
+        """Copy two tiles' words (pointers a, b [W, ...], whole tiles, no mask) into stages 0 and 1 of one of
+        a set's arrays (buf [2, W, ...]) as one cp.async operation on the whole array, so that each array
+        takes one copy per pair: two copies into one allocation (stage 0, then stage 1) made Triton 3.6's
+        Membar pass put a barrier between them. The pointers' alignment and contiguity, which the join
+        hides from the compiler, are restated (a K or V code row's 4 or 2 words start 16- or 8-byte
+        aligned, as do a token's 2 outlier value words), so the copies keep their 16- and 8-byte width."""
+        R: gl.constexpr = len(a.shape)
+        PL: gl.constexpr = _pair_layout(a.type.layout)
+        C: gl.constexpr = a.shape[R - 1]  # words per thread and row (R > 2)
+        if R == 2:  # one word per token
+            x = gl.permute(gl.join(a, b), [2, 0, 1])
+            dst = _reinterpret(buf, gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        elif R == 3:
+            x = gl.permute(gl.join(a, b), [3, 0, 1, 2])
+            x = gl.max_contiguous(gl.multiple_of(x, [1, 1, 1, 4 * C]), [1, 1, 1, C])
+            dst = _reinterpret(buf, gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
+        else:
+            x = gl.permute(gl.join(a, b), [4, 0, 1, 2, 3])
+            x = gl.max_contiguous(gl.multiple_of(x, [1, 1, 1, 1, 4 * C]), [1, 1, 1, 1, C])
+            dst = _reinterpret(buf, gl.SwizzledSharedLayout(1, 1, 1, [4, 3, 2, 1, 0]))
+        _async_load(dst, gl.convert_layout(x, PL, assert_trivial=True))
 
     @gluon.jit
     def _read_rows(bufs, stage, shifts, S_ROW: gl.constexpr, S_ROW2: gl.constexpr, K_KO: gl.constexpr):
@@ -485,11 +576,15 @@ if AVAILABLE:
     @gluon.jit
     def _issue_pair(bufs, q, n_pairs, start, end, bt_row, h, pages, cidx, BS: gl.constexpr, H: gl.constexpr,
                     TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr):
-        """Whole tiles 2q and 2q + 1, if pair q exists, into bufs' stages 0 and 1."""
+        """Whole tiles 2q and 2q + 1, if pair q exists, into bufs' stages 0 and 1: one copy per array
+        (_copy_pair)."""
         if q < n_pairs:
             n1 = start + (2 * q) * (4 * TW)
-            _issue_tile(bufs, 0, n1, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, False)
-            _issue_tile(bufs, 1, n1 + 4 * TW, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, False)
+            a = _pair_sources(n1, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64)
+            b = _pair_sources(n1 + 4 * TW, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64)
+            for i in gl.static_range(9):
+                if K_KO == 4 or (i != 3 and i != 4):
+                    _copy_pair(bufs[i], a[i], b[i])
 
     @gluon.jit
     def _read_tile(bufs, stage, shifts, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, S_ROW: gl.constexpr,
@@ -807,9 +902,7 @@ if AVAILABLE:
             _issue_tile(set1, 0, nA, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, True)
             _issue_tile(set1, 1, last_whole, endB, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, True)
         _commit_group()
-        if n_pairs > 0:
-            _issue_tile(set0, 0, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, False)
-            _issue_tile(set0, 1, start + 4 * TW, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, False)
+        _issue_pair(set0, 0, n_pairs, start, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64)
         _commit_group()
 
     @gluon.jit
@@ -1152,7 +1245,7 @@ class Launch:
 
     def _settle_pair(self) -> None:
         """Tile pairs only where the compiler fits them in PAIR_MAXNREG registers: with a Triton whose
-        paired kernel spills (3.9 spills 64 bytes per thread; 3.6, measured on the H200, none), single tiles.
+        paired kernel spills (3.9 spills 104 bytes per thread; 3.6, measured on the H200, none), single tiles.
         Compiles the paired kernel once per configuration, on the first launch or resources() call; the
         check reads the split build (SPLIT=True), whose loop is the one-split build's."""
         if not self._pair_settled:
@@ -1186,13 +1279,25 @@ class Launch:
             _PROGRAMS_PER_SM[key] = max(1, min(PLAN_PROGRAMS_PER_SM, 65536 // (regs * 32 * W), by_smem))
         return _PROGRAMS_PER_SM[key]
 
+    def constexprs_for(self, split_size: int) -> dict:
+        """The build a launch with this longest split runs: where no split can reach PAIR whole tiles, the
+        single-tile kernel (the paired kernel's other branch without it: measured 1-2% faster there,
+        bench/RESULTS.md, issue 19's sixteenth step). Either build pairs a split exactly when it has PAIR
+        whole tiles, so a sequence's result does not depend on which one ran."""
+        pair = self.constexprs["PAIR"]
+        if not pair or split_size // (W * TW) >= pair:
+            return self.constexprs
+        single = {k: v for k, v in self.constexprs.items() if k != "maxnreg"}
+        single.update(PAIR=0, **({"maxnreg": self._single_maxnreg} if self._single_maxnreg else {}))
+        return single
+
     def run(self, out, part_o, part_lse, split_size: int, num_splits: int) -> None:
         """Launch over (KV head, sequence, split); split_size (a multiple of W * TW) is the longest
         split, each sequence's length is split num_splits ways in whole tiles."""
         self._settle_pair()
         _decode_fp4_gluon_kernel[(*self.grid_hb, num_splits)](
             self.query, self.q_t, out, part_o, part_lse, *self.pages, *self.rest, split_size, num_splits,
-            SPLIT=num_splits > 1, **self.constexprs)
+            SPLIT=num_splits > 1, **self.constexprs_for(split_size))
 
 
 PLAN_PROGRAMS_PER_SM = 4
@@ -1217,7 +1322,7 @@ F16_DEFAULT = True
 # fifteenth step. Launch's pair (decode_attention's) overrides it, 0 never pairs.
 PAIR_MIN_TILES = 16
 # The paired kernel takes 161-168 registers uncapped (3 programs per SM); at 128 (4 per SM, as the single-tile
-# kernel) Triton 3.6 spills nothing, 3.9 spills 64 bytes per thread (bench/kernel_sass.py), and Launch then
+# kernel) Triton 3.6 spills nothing, 3.9 spills 104 bytes per thread (bench/kernel_sass.py), and Launch then
 # runs single tiles (_settle_pair).
 PAIR_MAXNREG = 128
 
