@@ -34,13 +34,28 @@ DIVISIBLE = {"stride_q_seq", "stride_q_head", "stride_bt", "split_size"}  # as t
 SHAPES = {"8B": (8, 4), "70B-TP8": (1, 8)}  # (KV heads, query heads per KV head) per GPU
 
 
-def sass_loop(cubin: str, bin_dir: str) -> tuple[str, list[str]]:
-    """(resource line, opcodes of the main loop: loop_ops) of a cubin."""
+def sass_loop(cubin: str, bin_dir: str) -> tuple[str, list[str], dict]:
+    """(resource line, opcodes of the main loop: loop_ops, its cp.async copies by width: copy_widths) of a
+    cubin."""
     res = subprocess.run([f"{bin_dir}/cuobjdump", "-res-usage", cubin], capture_output=True, text=True,
                          check=True).stdout.strip().splitlines()[-1]
     sass = subprocess.run([f"{bin_dir}/cuobjdump", "-sass", cubin], capture_output=True, text=True,
                           check=True).stdout
-    return res, loop_ops(sass)
+    return res, loop_ops(sass), copy_widths(sass)
+
+
+def copy_widths(sass: str) -> dict:
+    """The main loop's cp.async copies (LDGSTS) by bytes per thread: {16: n, 8: n, 4: n} ("LDGSTS.E.BYPASS.128"
+    moves 16 bytes, ".64" 8, no width suffix 4)."""
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    span = main_loop(ins)
+    widths = collections.Counter()
+    for _, text in ([] if span is None else ins[span[0]:span[1] + 1]):
+        if opcode(text) == "LDGSTS":
+            mnemonic = re.sub(r"^@!?U?P[T0-9]+\s+", "", text).split()[0]
+            widths[{"128": 16, "64": 8}.get(mnemonic.split(".")[-1], 4)] += 1
+    return dict(widths)
 
 
 def opcode(text: str) -> str:
@@ -164,7 +179,7 @@ def main() -> None:
                     if pair:
                         maxnreg, tiles = decode_fp4_gluon.PAIR_MAXNREG, 4
                 cubin = compile_kernel(fn, sig, const, warps, stages, maxnreg, tmp)
-                res, ops = sass_loop(cubin, bin_dir)
+                res, ops, copies = sass_loop(cubin, bin_dir)
                 regs = re.search(r"REG:(\d+)", res).group(1)
                 stack = re.search(r"STACK:(\d+)", res).group(1)
                 counts = collections.Counter(ops)
@@ -174,7 +189,7 @@ def main() -> None:
                                       "regs": int(regs),
                                       "stack": int(stack),
                                       "loop": len(ops), "tiles": tiles, "per_token_head": per_token_head,
-                                      "ops": dict(counts)}), flush=True)
+                                      "ops": dict(counts), "copies": copies}), flush=True)
                     continue
                 top = ", ".join(f"{op} {n}" for op, n in counts.most_common(8))
                 print(f"{model:8s} {name:42s}{' (pairs)' if pair else ''} regs {regs:>3s} stack {stack:>3s} | loop "

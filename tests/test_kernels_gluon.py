@@ -54,7 +54,7 @@ def test_compiles_for_hopper_as_designed():
     for r in rows:
         ops, pairs = r["ops"], r["pair"]
         # no spills, except in the paired kernel with a Triton that cannot fit it in PAIR_MAXNREG registers
-        # (3.9: 104 bytes; 3.6, the GPU machine's: none), where Launch takes single tiles instead
+        # (3.9: 56-64 bytes; 3.6, the GPU machine's: none), where Launch takes single tiles instead
         # (test_tile_pairs_that_spill_fall_back_to_single_tiles_on_gpu)
         assert r["stack"] == 0 or (pairs and not r["triton"].startswith("3.6")), f"register spills: {r}"
         assert r["regs"] <= 128, f"more than 128 registers: fewer than 4 programs per SM: {r}"
@@ -67,9 +67,17 @@ def test_compiles_for_hopper_as_designed():
             # one barrier per tile or pair (with one allocation for every stage the compiler added a second),
             # no stores by hand
             assert r["tiles"] == (4 if pairs else 2), r
-            assert ops["LDGSTS"] >= 8 * r["tiles"] and "STS" not in ops, r
-            # paired: one barrier per pair (a pair's two tiles go into a set's arrays as one copy each: two
-            # copies into one allocation made Triton 3.6's Membar pass add a barrier between them)
+            assert "STS" not in ops, r
+            # per tile and thread: the K codes as two 16-byte copies, each V code array's two rows and the key
+            # outlier values as 8-byte ones, the per-token words (scales, exponents, outlier indices) as 4-byte
+            # ones: the pairs' joined copies keep these widths (their pointers' alignment restated by hand)
+            slots = not r["kernel"].endswith("no key slots, one split")
+            words = 5 if slots else 4
+            assert r["copies"] == {"16": 2 * r["tiles"], "8": words * r["tiles"], "4": words * r["tiles"]}, r
+            # paired: one barrier per pair (Triton 3.6's Membar pass puts a barrier between two copies into one
+            # allocation, so there a pair's two tiles go into each array as one copy, _copy_pair; 3.9 adds
+            # none and copies tile by tile: this checks the joined copy only when run with Triton 3.6, e.g.
+            # PYTHONPATH=<triton 3.6> python -m pytest tests/test_kernels_gluon.py -k compiles)
             assert ops["BAR"] == (r["tiles"] // 2 if pairs else r["tiles"]), r
         # 8 k-steps of S^T = K Q^T and 8 row tiles of O^T += V^T P^T per 16-token warp tile
         assert ops["HMMA"] == 16 * r["tiles"], r
@@ -245,10 +253,38 @@ def test_tile_pairs_where_the_query_heads_leave_padding_columns():
 
 
 @needs_gluon
+def test_pages_not_aligned_for_the_joined_pair_copies_take_single_tiles(monkeypatch):
+    """The pairs' joined copies (Triton < 3.9) restate the page arrays' alignment to the compiler: K codes
+    from 16-byte, V codes and key outlier values from 8-byte boundaries. Pages aligned only to the 4 bytes
+    `unsupported` asks for run single tiles; with per-tile copies (Triton 3.9) they pair."""
+    def launch(field=None, offset=0, values=False):
+        q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+        k, v = (paged.quantize_pages(torch.zeros(1, 16, 2, 128), "fp4", f) for f in DEFAULT_FP4)
+        if offset:  # one array starting `offset` bytes into its storage
+            src = v if values else k
+            t = src[field].view(torch.uint8)
+            moved = torch.zeros(t.numel() + offset, dtype=torch.uint8)[offset:].view(t.shape).view(src[field].dtype)
+            src = type(src)(*src[:field], moved, *src[field + 1:])
+            k, v = (k, src) if values else (src, v)
+        table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+        return decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4).constexprs["PAIR"]
+
+    pair = decode_fp4_gluon.PAIR_MIN_TILES
+    monkeypatch.setattr(decode_fp4_gluon, "ONE_COPY_PER_PAIR", True)
+    assert launch() == pair
+    assert launch(0, 8) == 0 and launch(0, 4) == 0  # K codes 8 or 4 bytes in
+    assert launch(0, 4, values=True) == 0 and launch(0, 8, values=True) == pair  # V codes
+    assert launch(3, 4) == 0 and launch(3, 8) == pair  # key outlier values
+    assert launch(1, 4) == pair  # scales: one word per token, copied 4 bytes at a time either way
+    monkeypatch.setattr(decode_fp4_gluon, "ONE_COPY_PER_PAIR", False)
+    assert launch(0, 4) == pair
+
+
+@needs_gluon
 def test_a_launch_whose_splits_cannot_pair_runs_the_single_tile_build():
     """Where the plan's longest split is shorter than PAIR whole tiles no program can pair: that launch
-    takes the single-tile build (PAIR 0, without the pairs' register cap, or with the caller's), longer
-    splits the paired one."""
+    takes the single-tile build (PAIR 0 under the paired build's register cap, the one the split plan was
+    made for: PAIR_MAXNREG or the caller's), longer splits the paired one."""
     q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
     k, v = (paged.quantize_pages(torch.zeros(1, 16, 2, 128), "fp4", f) for f in DEFAULT_FP4)
     table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
@@ -258,10 +294,8 @@ def test_a_launch_whose_splits_cannot_pair_runs_the_single_tile_build():
         for split in (pair * tile, 4 * pair * tile):
             assert launch.constexprs_for(split) == launch.constexprs and launch.constexprs["PAIR"] == pair
         for split in (tile, (pair - 1) * tile):
-            single = launch.constexprs_for(split)
-            assert single["PAIR"] == 0 and single.get("maxnreg") == cap
-            assert {k: x for k, x in single.items() if k not in ("PAIR", "maxnreg")} == {
-                k: x for k, x in launch.constexprs.items() if k not in ("PAIR", "maxnreg")}
+            assert launch.constexprs_for(split) == dict(launch.constexprs, PAIR=0)
+            assert launch.constexprs["maxnreg"] == (cap or decode_fp4_gluon.PAIR_MAXNREG)
     off = decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, pair=0)
     assert off.constexprs_for(tile) == off.constexprs_for(64 * tile) == off.constexprs
 
@@ -334,8 +368,9 @@ def test_tile_pairs_on_gpu(num_splits, kv_heads, group, fp16):
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     launch = decode_fp4_gluon.Launch(query, kp, vp, table, lens, 1.0, 4, pair=1, fp16=fp16)
     launch.resources()
-    if launch.constexprs["PAIR"] == 0:
-        pytest.skip("the paired kernel spills with this Triton: the launcher runs single tiles")
+    if launch.constexprs["PAIR"] == 0:  # e.g. Triton 3.6 with pair=1 and bf16 maps (128 bytes; at PAIR 16 none)
+        pytest.skip(f"this build of the paired kernel (pair=1, fp16={fp16}) spills with this Triton: the launcher "
+                    "runs single tiles")
     assert launch.constexprs["PAIR"] == 1 and launch.constexprs["maxnreg"] == decode_fp4_gluon.PAIR_MAXNREG
     out = torch.full_like(query, float("nan"))
     decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), DEFAULT_FP4, num_splits=num_splits,
@@ -346,11 +381,22 @@ def test_tile_pairs_on_gpu(num_splits, kv_heads, group, fp16):
 
 @on_gpu
 @needs_gluon
-def test_a_short_sequence_gives_the_same_result_in_either_build_on_gpu():
+def test_a_short_sequence_gives_the_same_result_in_either_build_on_gpu(monkeypatch):
     """Short sequences beside a long one run in the paired build (their splits take its single-tile
-    branch); on their own the launch takes the single-tile build. Their results are identical."""
-    long_len = 64 * decode_fp4_gluon.PAIR_MIN_TILES * 2 + 5
-    short = [1, 63, 64, 65, 300, 64 * (decode_fp4_gluon.PAIR_MIN_TILES - 1) + 7]
+    branch); on their own the launch (a split plan shorter than PAIR_MIN_TILES tiles) takes the
+    single-tile build. Their results are identical."""
+    builds = []
+    constexprs_for = decode_fp4_gluon.Launch.constexprs_for
+
+    def spy(self, split_size):
+        c = constexprs_for(self, split_size)
+        builds.append(c["PAIR"])
+        return c
+
+    monkeypatch.setattr(decode_fp4_gluon.Launch, "constexprs_for", spy)
+    pair = decode_fp4_gluon.PAIR_MIN_TILES
+    long_len = 64 * pair * 2 + 5
+    short = [1, 63, 64, 65, 300, 64 * (pair - 1)]  # the longest: a plan of PAIR - 1 tiles
     table, kp, vp = cuda_fp4_pages([long_len] + short, 8, 16, DEFAULT_FP4, seed=11)
     query = torch.randn(1 + len(short), 32, 128, device="cuda").bfloat16()
     lens = torch.tensor([long_len] + short, dtype=torch.int32, device="cuda")
@@ -358,6 +404,9 @@ def test_a_short_sequence_gives_the_same_result_in_either_build_on_gpu():
                             gluon=True)
     alone = decode_attention(query[1:], kp, vp, table[1:], lens[1:], 128 ** -0.5, max(short), DEFAULT_FP4,
                              num_splits=1, gluon=True)
+    if builds[0] == 0:
+        pytest.skip("the paired kernel spills with this Triton: the launcher runs single tiles")
+    assert builds == [pair, 0]  # the paired build, then the single-tile one
     assert torch.equal(both[1:], alone)
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
     assert _worst_rel_err(both, ref) < 1e-2

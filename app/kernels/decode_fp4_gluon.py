@@ -34,10 +34,12 @@ layout-level language), chosen so that nothing moves between threads except the 
   where single tiles have two to three): splits of fewer than PAIR_MIN_TILES whole tiles keep single
   tiles, chosen per program from its own length (bench/RESULTS.md, issue 19's fifteenth step); a
   launch whose planned splits are all shorter runs the single-tile build (Launch.constexprs_for). A pair
-  waits on one barrier: each array of a set takes the pair's two tiles as one copy (_copy_pair; two
-  copies into one allocation made Triton 3.6's Membar pass put a second barrier between them, as it
-  does not tell an allocation's stages apart). Triton 3.9 cannot fit the paired kernel in
-  PAIR_MAXNREG registers (it spills): Launch then runs single tiles (_settle_pair).
+  waits on one barrier: with Triton < 3.9 each array of a set takes the pair's two tiles as one copy
+  (_copy_pair; two copies into one allocation made Triton 3.6's Membar pass put a second barrier
+  between them, as it does not tell an allocation's stages apart; 3.9 does, and copies tile by tile),
+  which needs K codes 16-byte and V codes and key outlier values 8-byte aligned (else single tiles).
+  Triton 3.9 cannot fit the paired kernel with key slots in PAIR_MAXNREG registers (it spills):
+  Launch then runs single tiles (_settle_pair).
 - Code-to-number maps, two ways (F16). bf16: paged._FP4_UNPACK_BODY's shifts and masks put each code
   into bf16 bits and one bf16x2 multiply per pair applies the group scale (and the bias). fp16: a code
   (s, e1 e0, m) placed as the byte s.00e1e0.m00 is E4M3 for its value x 2^-6, so shifts and masks
@@ -79,6 +81,7 @@ import torch
 from app.kernels import paged
 
 try:  # Gluon ships with Triton >= 3.5; without it decode_attention uses the Triton kernels
+    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -113,8 +116,14 @@ try:  # Gluon ships with Triton >= 3.5; without it decode_attention uses the Tri
             return buf._reinterpret(buf.dtype, buf.shape, layout)
 
     AVAILABLE = True
+    # A pair's two tiles as one copy per array (_copy_pair) where the Membar pass would put a barrier between
+    # two copies into one allocation: Triton 3.6 does (one barrier per pair more, measured on the H200);
+    # 3.9 does not, and there the joined copy only costs (65 loop instructions more at the 8B shape without
+    # key slots). Versions between are untested and take the joined copy.
+    ONE_COPY_PER_PAIR = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2]) < (3, 9)
 except ImportError:  # pragma: no cover - depends on the installed Triton
     AVAILABLE = False
+    ONE_COPY_PER_PAIR = False
 
 W = 4  # warps per program
 TW = 16  # tokens per warp tile: the MMA's M for the scores, its K for the PV product
@@ -306,6 +315,7 @@ if AVAILABLE:
         v = gl.permute(v, [0, 4, 7, 6, 8, 3, 1, 2, 5])  # [W, w, q, p, nibble, g, qq, t, y]
         return gl.reshape(v, [WN, 128, TW])
 
+    _ONE_COPY_PER_PAIR: gl.constexpr = gl.constexpr(ONE_COPY_PER_PAIR)
     _V_UNPACK_PTX_C: gl.constexpr = gl.constexpr(_V_UNPACK_PTX)
     _K_UNPACK_PTX_C: gl.constexpr = gl.constexpr(_K_UNPACK_PTX)
     _K16_UNPACK_PTX_C: gl.constexpr = gl.constexpr(_K16_UNPACK_PTX)
@@ -577,14 +587,18 @@ if AVAILABLE:
     def _issue_pair(bufs, q, n_pairs, start, end, bt_row, h, pages, cidx, BS: gl.constexpr, H: gl.constexpr,
                     TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr):
         """Whole tiles 2q and 2q + 1, if pair q exists, into bufs' stages 0 and 1: one copy per array
-        (_copy_pair)."""
+        (_copy_pair) or, with a Triton that adds no barrier between two, one per array and tile."""
         if q < n_pairs:
             n1 = start + (2 * q) * (4 * TW)
-            a = _pair_sources(n1, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64)
-            b = _pair_sources(n1 + 4 * TW, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64)
-            for i in gl.static_range(9):
-                if K_KO == 4 or (i != 3 and i != 4):
-                    _copy_pair(bufs[i], a[i], b[i])
+            if _ONE_COPY_PER_PAIR:
+                a = _pair_sources(n1, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64)
+                b = _pair_sources(n1 + 4 * TW, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64)
+                for i in gl.static_range(9):
+                    if K_KO == 4 or (i != 3 and i != 4):
+                        _copy_pair(bufs[i], a[i], b[i])
+            else:
+                _issue_tile(bufs, 0, n1, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, False)
+                _issue_tile(bufs, 1, n1 + 4 * TW, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, False)
 
     @gluon.jit
     def _read_tile(bufs, stage, shifts, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, S_ROW: gl.constexpr,
@@ -1186,6 +1200,14 @@ def pair_min_tiles(group: int, stages: int, pair: int | None = None) -> int:
     return (PAIR_MIN_TILES if pair is None else pair) if group <= N_HEADS // 2 and stages == 4 else 0
 
 
+def _pair_copies_aligned(k_pages, v_pages) -> bool:
+    """Whether _copy_pair's alignment (restated to the compiler, which cannot see it through the join) holds:
+    K codes from 16-byte, V codes and key outlier values from 8-byte boundaries (rows are whole multiples
+    of those). `unsupported` asks only for 4 bytes: other pages take single tiles."""
+    return (k_pages.codes.data_ptr() % 16 == 0 and v_pages.codes.data_ptr() % 8 == 0
+            and k_pages.out_vals.data_ptr() % 8 == 0)
+
+
 class Launch:
     """One decode's arguments for _decode_fp4_gluon_kernel, built once: programs_per_sm() compiles it
     (cached) to size the splits from its registers, run() launches it."""
@@ -1215,6 +1237,8 @@ class Launch:
         # tile pairs (pair: the fewest whole tiles in a split that takes them, 0 never): at most 4 query
         # heads per KV head (the columns they use), the 4-tile ring (two pairs)
         pair = pair_min_tiles(group, stages, pair)
+        if pair and ONE_COPY_PER_PAIR and not _pair_copies_aligned(k_pages, v_pages):
+            pair = 0
         self._single_maxnreg = maxnreg  # the cap without pairs
         if pair and maxnreg is None:
             maxnreg = PAIR_MAXNREG
@@ -1245,7 +1269,8 @@ class Launch:
 
     def _settle_pair(self) -> None:
         """Tile pairs only where the compiler fits them in PAIR_MAXNREG registers: with a Triton whose
-        paired kernel spills (3.9 spills 104 bytes per thread; 3.6, measured on the H200, none), single tiles.
+        paired kernel spills (3.9 spills 56-64 bytes per thread; 3.6, measured on the H200, none at the default
+        PAIR, 128 bytes with pair=1 and bf16 maps), single tiles.
         Compiles the paired kernel once per configuration, on the first launch or resources() call; the
         check reads the split build (SPLIT=True), whose loop is the one-split build's."""
         if not self._pair_settled:
@@ -1282,14 +1307,14 @@ class Launch:
     def constexprs_for(self, split_size: int) -> dict:
         """The build a launch with this longest split runs: where no split can reach PAIR whole tiles, the
         single-tile kernel (the paired kernel's other branch without it: measured 1-2% faster there,
-        bench/RESULTS.md, issue 19's sixteenth step). Either build pairs a split exactly when it has PAIR
-        whole tiles, so a sequence's result does not depend on which one ran."""
+        bench/RESULTS.md, issue 19's sixteenth step), under the paired kernel's register cap, which the
+        split plan was made for (uncapped, Triton 3.6 takes 132-137 registers at 3 query heads per KV head,
+        3 programs per SM; capped at 128 it spills nothing at 1-4). Either build pairs a split exactly when
+        it has PAIR whole tiles, so a sequence's result does not depend on which one ran."""
         pair = self.constexprs["PAIR"]
         if not pair or split_size // (W * TW) >= pair:
             return self.constexprs
-        single = {k: v for k, v in self.constexprs.items() if k != "maxnreg"}
-        single.update(PAIR=0, **({"maxnreg": self._single_maxnreg} if self._single_maxnreg else {}))
-        return single
+        return dict(self.constexprs, PAIR=0)
 
     def run(self, out, part_o, part_lse, split_size: int, num_splits: int) -> None:
         """Launch over (KV head, sequence, split); split_size (a multiple of W * TW) is the longest
@@ -1322,8 +1347,8 @@ F16_DEFAULT = True
 # fifteenth step. Launch's pair (decode_attention's) overrides it, 0 never pairs.
 PAIR_MIN_TILES = 16
 # The paired kernel takes 161-168 registers uncapped (3 programs per SM); at 128 (4 per SM, as the single-tile
-# kernel) Triton 3.6 spills nothing, 3.9 spills 104 bytes per thread (bench/kernel_sass.py), and Launch then
-# runs single tiles (_settle_pair).
+# kernel) Triton 3.6 spills nothing at the default PAIR (128 bytes with pair=1 and bf16 maps), 3.9 spills 56-64
+# bytes per thread (bench/kernel_sass.py), and Launch then runs single tiles (_settle_pair).
 PAIR_MAXNREG = 128
 
 
