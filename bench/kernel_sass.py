@@ -47,11 +47,8 @@ def sass_loop(cubin: str, bin_dir: str) -> tuple[str, list[str], dict]:
 def copy_widths(sass: str) -> dict:
     """The main loop's cp.async copies (LDGSTS) by bytes per thread: {16: n, 8: n, 4: n} ("LDGSTS.E.BYPASS.128"
     moves 16 bytes, ".64" 8, no width suffix 4)."""
-    ins = [(int(m.group(1), 16), m.group(2).strip())
-           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-    span = main_loop(ins)
     widths = collections.Counter()
-    for _, text in ([] if span is None else ins[span[0]:span[1] + 1]):
+    for text in loop_instructions(sass):
         if opcode(text) == "LDGSTS":
             mnemonic = re.sub(r"^@!?U?P[T0-9]+\s+", "", text).split()[0]
             widths[{"128": 16, "64": 8}.get(mnemonic.split(".")[-1], 4)] += 1
@@ -85,12 +82,17 @@ def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int] | None:
     return j, i
 
 
-def loop_ops(sass: str) -> list[str]:
-    """Opcodes of the main loop (main_loop) in a SASS listing (cuobjdump -sass)."""
+def loop_instructions(sass: str) -> list[str]:
+    """The main loop's instructions (main_loop) in a SASS listing (cuobjdump -sass), as written."""
     ins = [(int(m.group(1), 16), m.group(2).strip())
            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     span = main_loop(ins)
-    return [] if span is None else [opcode(t) for _, t in ins[span[0]:span[1] + 1]]
+    return [] if span is None else [t for _, t in ins[span[0]:span[1] + 1]]
+
+
+def loop_ops(sass: str) -> list[str]:
+    """Opcodes of the main loop (main_loop) in a SASS listing (cuobjdump -sass)."""
+    return [opcode(t) for t in loop_instructions(sass)]
 
 
 def compile_kernel(fn, sig: dict, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None,
