@@ -523,7 +523,8 @@ if AVAILABLE:
         takes one copy per pair: two copies into one allocation (stage 0, then stage 1) made Triton 3.6's
         Membar pass put a barrier between them. The pointers' alignment and contiguity, which the join
         hides from the compiler, are restated (a K or V code row's 4 or 2 words start 16- or 8-byte
-        aligned, as do a token's 2 outlier value words), so the copies keep their 16- and 8-byte width."""
+        aligned, as do a token's 2 outlier value words, on pages that Launch checked: _pair_copies_aligned),
+        so the copies keep their 16- and 8-byte width."""
         R: gl.constexpr = len(a.shape)
         PL: gl.constexpr = _pair_layout(a.type.layout)
         C: gl.constexpr = a.shape[R - 1]  # words per thread and row (R > 2)
