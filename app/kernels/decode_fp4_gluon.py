@@ -104,6 +104,21 @@ try:  # Gluon ships with Triton >= 3.5; without it decode_attention uses the Tri
                                           warp_bases=[z(b) for b in layout.warp_bases], block_bases=[],
                                           shape=[2] + list(layout.shape))
 
+    @constexpr_function
+    def _pair_first(rank):
+        """The permutation that moves the last of rank + 1 dims (gl.join's) to the front."""
+        return [rank] + list(range(rank))
+
+    @constexpr_function
+    def _last_dim(rank, n):
+        """A per-dim hint of rank dims: n on the last, 1 elsewhere (as constexprs, what the hints take)."""
+        return [gl.constexpr(1)] * (rank - 1) + [gl.constexpr(n)]
+
+    @constexpr_function
+    def _row_major(rank):
+        """An unswizzled row-major shared layout of rank dims."""
+        return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
+
     if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton 3.9's name; 3.6 has _reinterpret
 
         @gluon.jit
@@ -504,6 +519,7 @@ if AVAILABLE:
         D: gl.constexpr = 128
         i32: gl.constexpr = gl.pointer_type(gl.int32)
         k0, k1, k2, k3, k4, v0, v1, v2 = pages
+        # whole tiles (MASKED False): no end to mask at, n0 stands in for it
         pk, mk, rows_c, mc, pa, mva, mvb = _copy_rows(n0, n0, bt_row, h, pages, cidx, BS, H, TW, OFF64, False)
         ek = k2.to(i32) + (rows_c >> 2)
         if K_KO == 4:
@@ -527,18 +543,11 @@ if AVAILABLE:
         so the copies keep their 16- and 8-byte width."""
         R: gl.constexpr = len(a.shape)
         PL: gl.constexpr = _pair_layout(a.type.layout)
-        C: gl.constexpr = a.shape[R - 1]  # words per thread and row (R > 2)
-        if R == 2:  # one word per token
-            x = gl.permute(gl.join(a, b), [2, 0, 1])
-            dst = _reinterpret(buf, gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        elif R == 3:
-            x = gl.permute(gl.join(a, b), [3, 0, 1, 2])
-            x = gl.max_contiguous(gl.multiple_of(x, [1, 1, 1, 4 * C]), [1, 1, 1, C])
-            dst = _reinterpret(buf, gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
-        else:
-            x = gl.permute(gl.join(a, b), [4, 0, 1, 2, 3])
-            x = gl.max_contiguous(gl.multiple_of(x, [1, 1, 1, 1, 4 * C]), [1, 1, 1, 1, C])
-            dst = _reinterpret(buf, gl.SwizzledSharedLayout(1, 1, 1, [4, 3, 2, 1, 0]))
+        x = gl.permute(gl.join(a, b), _pair_first(R).value)
+        if R > 2:  # R == 2: one word per token, nothing contiguous to restate
+            C: gl.constexpr = a.shape[R - 1]  # words per thread and row
+            x = gl.max_contiguous(gl.multiple_of(x, _last_dim(R + 1, 4 * C).value), _last_dim(R + 1, C).value)
+        dst = _reinterpret(buf, _row_major(R + 1))
         _async_load(dst, gl.convert_layout(x, PL, assert_trivial=True))
 
     @gluon.jit
