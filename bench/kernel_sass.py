@@ -50,14 +50,19 @@ def copy_widths(sass: str) -> dict:
     widths = collections.Counter()
     for text in loop_instructions(sass):
         if opcode(text) == "LDGSTS":
-            mnemonic = re.sub(r"^@!?U?P[T0-9]+\s+", "", text).split()[0]
-            widths[{"128": 16, "64": 8}.get(mnemonic.split(".")[-1], 4)] += 1
+            widths[{"128": 16, "64": 8}.get(mnemonic(text).split(".")[-1], 4)] += 1
     return dict(widths)
+
+
+def mnemonic(text: str) -> str:
+    """An instruction's opcode and modifiers without its predicate ("@!P0 LDGSTS.E.64 [R1], ..." ->
+    "LDGSTS.E.64")."""
+    return re.sub(r"^@!?U?P[T0-9]+\s+", "", text.strip()).split()[0]
 
 
 def opcode(text: str) -> str:
     """An instruction's opcode without its predicate and modifiers ("@!P0 BRA `(.L_x_1) 0x10" -> "BRA")."""
-    return re.sub(r"^@!?U?P[T0-9]+\s+", "", text.strip()).split()[0].split(".")[0]
+    return mnemonic(text).split(".")[0]
 
 
 def main_loop(ins: list[tuple[int, str]]) -> tuple[int, int] | None:
