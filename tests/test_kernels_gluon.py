@@ -94,14 +94,34 @@ def test_compiles_for_hopper_as_designed():
     assert paired["stack"] > 0 or paired["per_token_head"] < 0.85 * single["per_token_head"], (paired, single)
 
 
+def _zero_pages(kv_heads=2, blocks=1, block_size=16, head_dim=128, formats=DEFAULT_FP4):
+    """K and V fp4 pages of zeros on the CPU."""
+    return tuple(paged.quantize_pages(torch.zeros(blocks, block_size, kv_heads, head_dim), "fp4", f) for f in formats)
+
+
+def _moved(pages, field, offset):
+    """The pages with array `field` (codes, scales, scale_exp, out_vals, out_idx) starting `offset` bytes into
+    its storage."""
+    t = pages[field].view(torch.uint8)
+    moved = torch.zeros(t.numel() + offset, dtype=torch.uint8)[offset:].view(t.shape).view(pages[field].dtype)
+    return type(pages)(*pages[:field], moved, *pages[field + 1:])
+
+
+def _cpu_launch(group=4, kv_heads=2, seqs=2, pages=None, **kw):
+    """The launcher's decisions (Launch.constexprs etc.) for `seqs` sequences on CPU tensors: nothing is
+    compiled or launched."""
+    q = torch.zeros(seqs, group * kv_heads, 128, dtype=torch.bfloat16)
+    k, v = pages or _zero_pages(kv_heads)
+    table, lens = torch.zeros(seqs, 1, dtype=torch.int32), torch.ones(seqs, dtype=torch.int32)
+    return decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, **kw)
+
+
 def test_unsupported_names_the_reason():
     def why(head_dim=128, heads=8, kv_heads=2, formats=DEFAULT_FP4, block_size=16, offset=0, field=0):
         q = torch.zeros(1, heads, head_dim, dtype=torch.bfloat16)
-        k, v = (paged.quantize_pages(torch.zeros(1, block_size, kv_heads, head_dim), "fp4", f) for f in formats)
+        k, v = _zero_pages(kv_heads, 1, block_size, head_dim, formats)
         if offset:  # one of K's arrays (codes, scales, exponents, ...) starting `offset` bytes into its storage
-            t = k[field].view(torch.uint8)
-            moved = torch.zeros(t.numel() + offset, dtype=torch.uint8)[offset:].view(t.shape).view(k[field].dtype)
-            k = type(k)(*k[:field], moved, *k[field + 1:])
+            k = _moved(k, field, offset)
         return decode_fp4_gluon.unsupported(q, k, v, formats, block_size)
 
     assert why(head_dim=64) == "head_dim 64 (needs 128)"
@@ -123,14 +143,12 @@ def test_num_stages_other_than_0_or_a_power_of_two_is_refused():
     """num_stages=1 would compile to a ring with no copy ahead (the kernel then reads before its
     copies land), 2 to two one-tile allocations (the ring's even and odd tiles), which Triton 3.6
     fails to compile: refused before anything is launched, as are 3 (not a power of two) and -1."""
-    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
-    k, v = (paged.quantize_pages(torch.zeros(2, 16, 1, 128), "fp4", f) for f in DEFAULT_FP4)
-    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    pages = _zero_pages(kv_heads=1, blocks=2)
     for stages in (1, 2, 3, -1):
         with pytest.raises(ValueError, match="must be 0 .* or a power of two >= 4"):
-            decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, stages=stages)
+            _cpu_launch(group=8, kv_heads=1, pages=pages, stages=stages)
     for stages, expect in ((None, decode_fp4_gluon.STAGES), (0, 0), (4, 4), (8, 8)):
-        assert decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, stages=stages).constexprs["STAGES"] == expect
+        assert _cpu_launch(group=8, kv_heads=1, pages=pages, stages=stages).constexprs["STAGES"] == expect
 
 
 def test_sass_loop_count_takes_the_attending_loop(monkeypatch):
@@ -222,10 +240,7 @@ def test_the_code_to_number_map_does_not_depend_on_the_batch():
     """fp16 maps by default for every batch size (a sequence's rounding must not depend on its
     batch: CUDA-graph buckets pad it); fp16= forces either."""
     def f16(seqs, kv_heads, **kw):
-        q = torch.zeros(seqs, 4 * kv_heads, 128, dtype=torch.bfloat16)
-        k, v = (paged.quantize_pages(torch.zeros(1, 16, kv_heads, 128), "fp4", f) for f in DEFAULT_FP4)
-        table, lens = torch.zeros(seqs, 1, dtype=torch.int32), torch.ones(seqs, dtype=torch.int32)
-        return decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, **kw).constexprs["F16"]
+        return _cpu_launch(4, kv_heads, seqs, **kw).constexprs["F16"]
 
     assert {f16(1, 8), f16(7, 8), f16(8, 8), f16(32, 1), f16(64, 1)} == {decode_fp4_gluon.F16_DEFAULT} == {True}
     assert f16(8, 8, fp16=False) is False and f16(1, 1, fp16=True) is True and f16(128, 8, fp16=False) is False
@@ -237,10 +252,7 @@ def test_tile_pairs_where_the_query_heads_leave_padding_columns():
     KV head with the 4-tile ring, under PAIR_MAXNREG registers unless a cap is given; never at 5-8 heads
     (no padding columns), with loads into registers or an 8-tile ring; pair= overrides, 0 never."""
     def launch(group, **kw):
-        q = torch.zeros(2, group * 2, 128, dtype=torch.bfloat16)
-        k, v = (paged.quantize_pages(torch.zeros(1, 16, 2, 128), "fp4", f) for f in DEFAULT_FP4)
-        table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
-        return decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, **kw).constexprs
+        return _cpu_launch(group, **kw).constexprs
 
     for group in (1, 2, 3, 4):
         c = launch(group)
@@ -258,16 +270,10 @@ def test_pages_not_aligned_for_the_joined_pair_copies_take_single_tiles(monkeypa
     from 16-byte, V codes and key outlier values from 8-byte boundaries. Pages aligned only to the 4 bytes
     `unsupported` asks for run single tiles; with per-tile copies (Triton 3.9) they pair."""
     def launch(field=None, offset=0, values=False):
-        q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
-        k, v = (paged.quantize_pages(torch.zeros(1, 16, 2, 128), "fp4", f) for f in DEFAULT_FP4)
+        k, v = _zero_pages()
         if offset:  # one array starting `offset` bytes into its storage
-            src = v if values else k
-            t = src[field].view(torch.uint8)
-            moved = torch.zeros(t.numel() + offset, dtype=torch.uint8)[offset:].view(t.shape).view(src[field].dtype)
-            src = type(src)(*src[:field], moved, *src[field + 1:])
-            k, v = (k, src) if values else (src, v)
-        table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
-        return decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4).constexprs["PAIR"]
+            k, v = (k, _moved(v, field, offset)) if values else (_moved(k, field, offset), v)
+        return _cpu_launch(pages=(k, v)).constexprs["PAIR"]
 
     pair = decode_fp4_gluon.PAIR_MIN_TILES
     monkeypatch.setattr(decode_fp4_gluon, "ONE_COPY_PER_PAIR", True)
@@ -285,18 +291,15 @@ def test_a_launch_whose_splits_cannot_pair_runs_the_single_tile_build():
     """Where the plan's longest split is shorter than PAIR whole tiles no program can pair: that launch
     takes the single-tile build (PAIR 0 under the paired build's register cap, the one the split plan was
     made for: PAIR_MAXNREG or the caller's), longer splits the paired one."""
-    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
-    k, v = (paged.quantize_pages(torch.zeros(1, 16, 2, 128), "fp4", f) for f in DEFAULT_FP4)
-    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     for cap in (None, 96):
-        launch = decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, maxnreg=cap)
+        launch = _cpu_launch(maxnreg=cap)
         pair, tile = decode_fp4_gluon.PAIR_MIN_TILES, decode_fp4_gluon.W * decode_fp4_gluon.TW
         for split in (pair * tile, 4 * pair * tile):
             assert launch.constexprs_for(split) == launch.constexprs and launch.constexprs["PAIR"] == pair
         for split in (tile, (pair - 1) * tile):
             assert launch.constexprs_for(split) == dict(launch.constexprs, PAIR=0)
             assert launch.constexprs["maxnreg"] == (cap or decode_fp4_gluon.PAIR_MAXNREG)
-    off = decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, pair=0)
+    off = _cpu_launch(pair=0)
     assert off.constexprs_for(tile) == off.constexprs_for(64 * tile) == off.constexprs
 
 
