@@ -14,8 +14,9 @@ module, or the same module launched differently):
                   replaced by register moves: the code words go to the tensor cores as fp16 pairs, and
                   with the scale operand unused the compiler may drop the scales' reads and conversion
   bare            no_unpack without outlier slots
-  l2              every whole tile copies the split's first tile (the same pages over and over: L2 hits,
-                  L1 hits for the 4- and 8-byte copies, almost no DRAM traffic), all the arithmetic kept
+  l2              every whole tile copies the split's first tile (tile pairs: its first two), the same
+                  pages over and over: L2 hits, L1 hits for the 4- and 8-byte copies, almost no DRAM
+                  traffic; all the arithmetic kept
   l2_bare         l2 and bare together: what is left is the copies' issue from L2, the ring's waits
                   and barriers, the MMAs, the softmax and the program's fixed costs
   codes_only      bare without the per-token metadata copies (K and V scale words, the exponent words):
@@ -58,7 +59,8 @@ V_MOVES = '"mov.b32 $0, $8; mov.b32 $1, $9; mov.b32 $2, $8; mov.b32 $3, $9; ' \
 EDITS = {
     "no_unpack": [("gl.constexpr(_K16_UNPACK_PTX)", f"gl.constexpr({K_MOVES})"),
                   ("gl.constexpr(_V16_UNPACK_PTX)", f"gl.constexpr({V_MOVES})")],
-    "l2": [("start + j * (4 * TW), end, bt_row", "start, end, bt_row")],
+    "l2": [("start + j * (4 * TW), end, bt_row", "start, end, bt_row"),  # single tiles
+           ("n1 = start + (2 * q) * (4 * TW)", "n1 = start")],  # tile pairs: every pair copies the first two
     "no_meta": [(f"_async_load({b}.index(stage), {src}, mc)", "pass") for b, src in
                 [("bks", "k1.to(i32) + rows_c"), ("bek", "k2.to(i32) + (rows_c >> 2)"),
                  ("bev", "v2.to(i32) + (rows_c >> 2)"), ("bsv", "v1.to(i32) + rows_c")]],

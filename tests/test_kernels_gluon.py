@@ -230,6 +230,10 @@ def test_the_ablation_benchmark_still_applies_to_the_kernel(monkeypatch):
         for e in edits:
             for _, new in fp4_ablate.EDITS[e]:
                 assert new in src, (name, e)
+    # l2 pins every copy path to the split's first tiles: single tiles and tile pairs alike
+    l2 = fp4_ablate.ablated_source(["l2"])
+    assert "start + j * (4 * TW)" in original and "start + (2 * q) * (4 * TW)" in original
+    assert "start + j * (4 * TW)" not in l2 and "start + (2 * q) * (4 * TW)" not in l2
     monkeypatch.setitem(fp4_ablate.EDITS, "broken", [("this text is not in the kernel", "")])
     with pytest.raises(ValueError, match="expected one"):
         fp4_ablate.ablated_source(["broken"])
