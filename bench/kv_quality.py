@@ -90,6 +90,19 @@ VARIANTS = [
                                                             scale_targets=SEARCH)),
     ("fp4 +8 out K g16, V g16, search", "fp4", fp4_variant(key_outliers=8, scale_targets=SEARCH)),
     ("fp4 +4 out K g8, V g16, search", "fp4", fp4_variant(key_outliers=4, key_group_size=8, scale_targets=SEARCH)),
+    # One scale per token (a group of 128 is the whole vector at head_dim 128 and, as gcd(128, 64), at
+    # SmolLM2's 64): a decode kernel folds such a scale into the score (K) or the probability (V)
+    # instead of multiplying every code (bench/RESULTS.md, issue 19's eighteenth step).
+    ("fp4 +4 out K g128, V g32, search", "fp4", fp4_variant(key_outliers=4, key_group_size=128,
+                                                             value_group_size=32, scale_targets=SEARCH)),
+    ("fp4 +4 out K g32, V g128, search", "fp4", fp4_variant(key_outliers=4, key_group_size=32,
+                                                             value_group_size=128, scale_targets=SEARCH)),
+    ("fp4 +4 out K,V g128, search", "fp4", fp4_variant(key_outliers=4, key_group_size=128,
+                                                        value_group_size=128, scale_targets=SEARCH)),
+    ("fp4 +5 out K,V g128, search", "fp4", fp4_variant(key_outliers=5, key_group_size=128,
+                                                        value_group_size=128, scale_targets=SEARCH)),
+    ("fp4 K,V g128, search", "fp4", fp4_variant(key_group_size=128, value_group_size=128, scale_targets=SEARCH)),
+    ("fp4 K g32, V g32, search", "fp4", fp4_variant(key_group_size=32, value_group_size=32, scale_targets=SEARCH)),
     ("fp4 DEFAULT: +4 out K g32, V g32, search", "fp4", {}),  # FP4Config() as shipped
 ]
 # Section 1 only: how far fp32 KV is from bf16 KV, the noise floor of the stories260K metrics.
