@@ -103,6 +103,13 @@ VARIANTS = [
                                                         value_group_size=128, scale_targets=SEARCH)),
     ("fp4 K,V g128, search", "fp4", fp4_variant(key_group_size=128, value_group_size=128, scale_targets=SEARCH)),
     ("fp4 K g32, V g32, search", "fp4", fp4_variant(key_group_size=32, value_group_size=32, scale_targets=SEARCH)),
+    # Fewer key slots than the default's 4 (each slot is a per-token query gather in the decode kernels)
+    ("fp4 +1 out K g32, V g32, search", "fp4", fp4_variant(key_outliers=1, key_group_size=32, value_group_size=32,
+                                                           scale_targets=SEARCH)),
+    ("fp4 +2 out K g32, V g32, search", "fp4", fp4_variant(key_outliers=2, key_group_size=32, value_group_size=32,
+                                                           scale_targets=SEARCH)),
+    ("fp4 +3 out K g32, V g32, search", "fp4", fp4_variant(key_outliers=3, key_group_size=32, value_group_size=32,
+                                                           scale_targets=SEARCH)),
     ("fp4 DEFAULT: +4 out K g32, V g32, search", "fp4", {}),  # FP4Config() as shipped
 ]
 # Section 1 only: how far fp32 KV is from bf16 KV, the noise floor of the stories260K metrics.
