@@ -28,6 +28,14 @@ module, or the same module launched differently):
   no_merge, fixed_no_merge
                   full and fixed without the split merge kernel that follows the decode kernel (every
                   case timed has more than one split; with one there is no merge to leave out)
+  gather_hit      every key outlier slot gathers one of the query's first two dimensions (index & 1): the
+                  gathers' addresses stay in L1 whatever the copies evict (and still depend on the tile,
+                  so they stay in the loop), so what their misses cost (the slots' copies, index
+                  arithmetic and FMAs all kept)
+  warp_partials   the epilogue without the warps' O^T sum through shared memory: every warp stores its own
+                  rescaled O^T [D, heads] (all four to the same addresses), what writing each warp's state
+                  as a split of its own for the merge would save in the decode kernel (4x the partial
+                  stores kept; the merge's extra reads not counted)
 With --modules, every variant of every named copy of the module (the same textual edits must apply
 to each), named module:variant, alternated in one run. Each row also has SDPA bf16
 (bench/kernels.py's timing) and the time to read the fp4 cache once at the measured copy rate
@@ -65,12 +73,23 @@ EDITS = {
                 [("bks", "k1.to(i32) + rows_c"), ("bek", "k2.to(i32) + (rows_c >> 2)"),
                  ("bev", "v2.to(i32) + (rows_c >> 2)"), ("bsv", "v1.to(i32) + rows_c")]],
     "no_tiles": [("end = gl.minimum(seq_len, start + split)", "end = gl.minimum(seq_len, start)")],
+    "gather_hit": [('            EL: gl.constexpr = "evict_last"',
+                    '            iw = iw & 0x01010101\n            EL: gl.constexpr = "evict_last"')],
+    "warp_partials": [
+        ("        o = gl.sum(acc * gl.expand_dims(wgt * gl.expand_dims(inv, 0), 1), 0)  # [D, NH]",
+         "        o3 = acc * gl.expand_dims(wgt * gl.expand_dims(inv, 0), 1)  # [WN, D, NH]\n"
+         "        o = gl.zeros([D, NH], gl.float32, layout=gl.SliceLayout(0, MMA))"),
+        ("            gl.store(part_o_ptr + gl.expand_dims(part * D, 0) + gl.expand_dims(dim_o, 1), o, mask=o_mask)",
+         "            po = part_o_ptr + gl.expand_dims(part * D, 0) + gl.expand_dims(dim_o, 1)\n"
+         "            gl.store(gl.expand_dims(po, 0).broadcast_to(o3.shape), o3,\n"
+         "                     mask=gl.expand_dims(o_mask, 0).broadcast_to(o3.shape))")],
 }
 VARIANTS = {  # name -> (source edits, key outlier slots launched with)
     "full": ([], None), "no_outliers": ([], 0), "no_unpack": (["no_unpack"], None), "bare": (["no_unpack"], 0),
     "l2": (["l2"], None), "l2_bare": (["l2", "no_unpack"], 0), "codes_only": (["no_unpack", "no_meta"], 0),
     "fixed": (["no_tiles"], None),
     "no_merge": ([], None), "fixed_no_merge": (["no_tiles"], None),
+    "gather_hit": (["gather_hit"], None), "warp_partials": (["warp_partials"], None),
 }
 NO_MERGE = {"no_merge", "fixed_no_merge"}  # the decode kernel alone, without the split merge after it
 

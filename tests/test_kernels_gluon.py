@@ -234,6 +234,14 @@ def test_the_ablation_benchmark_still_applies_to_the_kernel(monkeypatch):
     l2 = fp4_ablate.ablated_source(["l2"])
     assert "start + j * (4 * TW)" in original and "start + (2 * q) * (4 * TW)" in original
     assert "start + j * (4 * TW)" not in l2 and "start + (2 * q) * (4 * TW)" not in l2
+    # gather_hit pins the key outlier gathers' index and nothing else; warp_partials stores every warp's
+    # O^T instead of summing them across warps
+    gather_hit = fp4_ablate.ablated_source(["gather_hit"])
+    assert gather_hit.count("iw = iw & 0x01010101") == 1
+    assert gather_hit.index("iw = iw & 0x01010101") > gather_hit.index("def _outlier_queries")
+    assert gather_hit.index("iw = iw & 0x01010101") < gather_hit.index("def _key_outliers")
+    warp_partials = fp4_ablate.ablated_source(["warp_partials"])
+    assert "o = gl.sum(acc" in original and "o = gl.sum(acc" not in warp_partials
     monkeypatch.setitem(fp4_ablate.EDITS, "broken", [("this text is not in the kernel", "")])
     with pytest.raises(ValueError, match="expected one"):
         fp4_ablate.ablated_source(["broken"])
