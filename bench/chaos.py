@@ -41,7 +41,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.append(str(ROOT / "bench"))
 
 from servers import serve_run  # noqa: E402
 from serving import make_text  # noqa: E402

@@ -7,7 +7,9 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "bench"))
+# bench/ goes last: its module names (kernels.py among them) must not shadow installed packages
+# (transformers imports the `kernels` package)
+sys.path.append(str(REPO_ROOT / "bench"))
 from servers import free_port  # noqa: E402  (bench/servers.py: the benches' server helpers)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.serve_testing import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "bench"))
+sys.path.append(str(REPO_ROOT / "bench"))
 import chaos  # noqa: E402
 
 

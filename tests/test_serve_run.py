@@ -12,7 +12,7 @@ import pytest
 
 from tests.serve_testing import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "bench"))
+sys.path.append(str(REPO_ROOT / "bench"))
 from servers import serve_run  # noqa: E402
 from serving import run_load_test, summarize  # noqa: E402
 

@@ -20,7 +20,7 @@ from app.engine.kv_events import BlockStored
 from app.engine.sampling_params import SamplingParams
 from app.engine.vllm_engine import UnsupportedSettingError, vllm_engine_args
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
 from peer_model import write_peer_model  # noqa: E402
 
 BS = 32  # vLLM's CPU attention takes multiples of 32

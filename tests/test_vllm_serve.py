@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.append(str(ROOT / "bench"))
 import router  # noqa: E402
 from peer_model import write_peer_model  # noqa: E402
 from servers import vllm_server  # noqa: E402
