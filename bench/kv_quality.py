@@ -103,6 +103,9 @@ VARIANTS = [
                                                         value_group_size=128, scale_targets=SEARCH)),
     ("fp4 K,V g128, search", "fp4", fp4_variant(key_group_size=128, value_group_size=128, scale_targets=SEARCH)),
     ("fp4 K g32, V g32, search", "fp4", fp4_variant(key_group_size=32, value_group_size=32, scale_targets=SEARCH)),
+    # no key slots, their bytes spent on finer key groups: g8 keys are the default's 81 B per key vector
+    ("fp4 K g16, V g32, search", "fp4", fp4_variant(key_group_size=16, value_group_size=32, scale_targets=SEARCH)),
+    ("fp4 K g8, V g32, search", "fp4", fp4_variant(key_group_size=8, value_group_size=32, scale_targets=SEARCH)),
     # Fewer key slots than the default's 4 (each slot is a per-token query gather in the decode kernels)
     ("fp4 +1 out K g32, V g32, search", "fp4", fp4_variant(key_outliers=1, key_group_size=32, value_group_size=32,
                                                            scale_targets=SEARCH)),
