@@ -73,6 +73,16 @@ def save_row(results: dict, row: dict, path: str | None) -> None:
             json.dump(results, f, indent=1)
 
 
+def best_times(runs: dict, rounds: int) -> dict:
+    """Each callable's best bench() time (ms) over `rounds` rounds, the callables alternated within a round so
+    that the machine's drift reaches them alike."""
+    best = {n: float("inf") for n in runs}
+    for _ in range(rounds):
+        for n, fn in runs.items():
+            best[n] = min(best[n], bench(fn))
+    return best
+
+
 class Version:
     """One module's decode (kernel + this tree's merge) on one case; k_outliers (None: the format's)
     and maxnreg as Launch takes them."""
@@ -130,10 +140,7 @@ def main() -> None:
             row[f"{n}_max_abs_diff_vs_{names[0]}"] = (outs[n].float() - outs[names[0]].float()).abs().max().item()
             row[f"{n}_splits"] = versions[n].num_splits
             row[f"{n}_regs"], row[f"{n}_smem"] = versions[n].launch.resources()
-        best = {n: float("inf") for n in names}
-        for _ in range(args.rounds):
-            for n in names:
-                best[n] = min(best[n], bench(versions[n]))
+        best = best_times({n: versions[n] for n in names}, args.rounds)
         for n in names:
             row[f"{n}_ms"] = best[n]
             row[f"{n}_vs_sdpa"] = row["sdpa_ms"] / best[n]

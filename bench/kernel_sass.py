@@ -148,7 +148,7 @@ def main() -> None:
     dense_sig = dict(SIG, **{k: "*bf16" for k in PAGE_SIG})
     gluon_sig = dict(SIG, qt_ptr="*fp32")
     gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, "STAGES": decode_fp4_gluon.STAGES,
-                  "F16": True, "PAIR": None, **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default
+                  "F16": True, "PAIR": None, "KG8": False, **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default
     # PAIR None: the launcher's choice for the shape (tile pairs at <= 4 query heads per KV head with the
     # 4-tile ring: the loop then takes two pairs, 4 tiles, at PAIR_MAXNREG registers)
     # (name, kernel, signature, constexprs, warps, stages, maxnreg, tokens per tile, tiles per loop iteration:
@@ -164,6 +164,8 @@ def main() -> None:
          dict(gluon_args, PAIR=0), 4, 1, None, 64, 2),
         ("Gluon fp4 kernel, the engine's int64 tables and lengths", decode_fp4_gluon._decode_fp4_gluon_kernel,
          dict(gluon_sig, block_tables_ptr="*i64", seq_lens_ptr="*i64"), gluon_args, 4, 1, None, 64, 2),
+        ("Gluon fp4 kernel, key groups of 8 (no key slots)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
+         dict(gluon_args, K_KO=0, KG8=True), 4, 1, None, 64, 2),
         ("Gluon fp4 kernel, bf16 MMAs (fp16=False)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
          dict(gluon_args, F16=False), 4, 1, None, 64, 2),
         ("Triton fp4 kernel (128 regs, 1 stage)", _decode_fp4_kernel, SIG, fp4_args, 4, 1, 128, 128, 1),

@@ -50,7 +50,8 @@ def test_compiles_for_hopper_as_designed():
         (m, k) for m in ("8B", "70B-TP8")
         for k in ("Gluon fp4 kernel (cp.async ring)", "Gluon fp4 kernel, no key slots, one split",
                   "Gluon fp4 kernel, loads into registers", "Gluon fp4 kernel, the engine's int64 tables and lengths",
-                  "Gluon fp4 kernel, bf16 MMAs (fp16=False)", "Gluon fp4 kernel, single tiles (pair=0)")}
+                  "Gluon fp4 kernel, bf16 MMAs (fp16=False)", "Gluon fp4 kernel, single tiles (pair=0)",
+                  "Gluon fp4 kernel, key groups of 8 (no key slots)")}
     for r in rows:
         ops, pairs = r["ops"], r["pair"]
         # no spills, except in the paired kernel with a Triton that cannot fit it in PAIR_MAXNREG registers
@@ -71,9 +72,13 @@ def test_compiles_for_hopper_as_designed():
             # per tile and thread: the K codes as two 16-byte copies, each V code array's two rows and the key
             # outlier values as 8-byte ones, the per-token words (scales, exponents, outlier indices) as 4-byte
             # ones: the pairs' joined copies keep these widths (their pointers' alignment restated by hand)
-            slots = not r["kernel"].endswith("no key slots, one split")
+            kg8 = r["kernel"].endswith("key groups of 8 (no key slots)")
+            slots = not (r["kernel"].endswith("no key slots, one split") or kg8)
             words = 5 if slots else 4
-            assert r["copies"] == {"16": 2 * r["tiles"], "8": words * r["tiles"], "4": words * r["tiles"]}, r
+            if kg8:  # no slots, and a token's 16 key scale bytes as one 16-byte copy instead of a 4-byte one
+                assert r["copies"] == {"16": 3 * r["tiles"], "8": 4 * r["tiles"], "4": 3 * r["tiles"]}, r
+            else:
+                assert r["copies"] == {"16": 2 * r["tiles"], "8": words * r["tiles"], "4": words * r["tiles"]}, r
             # paired: one barrier per pair (Triton 3.6's Membar pass puts a barrier between two copies into one
             # allocation, so there a pair's two tiles go into each array as one copy, _copy_pair; 3.9 adds
             # none and copies tile by tile: this checks the joined copy only when run with Triton 3.6, e.g.
@@ -92,6 +97,10 @@ def test_compiles_for_hopper_as_designed():
     by = {(r["model"], r["kernel"]): r for r in rows}
     paired, single = by["8B", "Gluon fp4 kernel (cp.async ring)"], by["8B", "Gluon fp4 kernel, single tiles (pair=0)"]
     assert paired["stack"] > 0 or paired["per_token_head"] < 0.85 * single["per_token_head"], (paired, single)
+    # what key groups of 8 are for: no outlier gathers, at the price of 4 scale conversions per row instead of 1
+    for model in ("8B", "70B-TP8"):
+        kg8, ring = by[model, "Gluon fp4 kernel, key groups of 8 (no key slots)"], by[model, "Gluon fp4 kernel (cp.async ring)"]
+        assert kg8["per_token_head"] < 0.95 * ring["per_token_head"], (kg8, ring)
 
 
 def _zero_pages(kv_heads=2, blocks=1, block_size=16, head_dim=128, formats=DEFAULT_FP4):
@@ -125,7 +134,12 @@ def test_unsupported_names_the_reason():
         return decode_fp4_gluon.unsupported(q, k, v, formats, block_size)
 
     assert why(head_dim=64) == "head_dim 64 (needs 128)"
-    assert why(formats=(FP4Format(group_size=16, outliers=4), FP4Format(group_size=32))) == "groups other than 32"
+    assert why(formats=(FP4Format(group_size=16, outliers=4), FP4Format(group_size=32))) == (
+        "groups other than 32 (or 8 for keys)")
+    assert why(formats=(FP4Format(group_size=32, outliers=4), FP4Format(group_size=8))) == (
+        "groups other than 32 (or 8 for keys)")
+    assert why(formats=(FP4Format(group_size=8, outliers=4), FP4Format(group_size=32))) == (
+        "key groups of 8 with key outlier slots")
     assert why(formats=(FP4Format(group_size=32, outliers=4), FP4Format(group_size=32, outliers=1))) == (
         "value outlier slots")
     assert why(formats=(FP4Format(group_size=32, outliers=2), FP4Format(group_size=32))) == (
@@ -139,6 +153,22 @@ def test_unsupported_names_the_reason():
 
 
 @needs_gluon
+def test_key_groups_of_8_run_on_the_ring_without_key_slots():
+    """Key groups of 8 (16 scale bytes per key vector) build KG8, on the cp.async ring and without key
+    outlier slots only: anything else is refused before anything is compiled; the default format's
+    pages do not build it."""
+    kg8 = (FP4Format(group_size=8), FP4Format(group_size=32))
+    k, v = _zero_pages(kv_heads=1, blocks=2, formats=kg8)
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    assert decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 0).constexprs["KG8"]
+    with pytest.raises(ValueError, match="key groups of 8 run on the cp.async ring"):
+        decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 0, stages=0)
+    with pytest.raises(ValueError, match="without key outlier slots"):
+        decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4)
+    assert not _cpu_launch(group=8, kv_heads=1).constexprs["KG8"]
+
+
 def test_num_stages_other_than_0_or_a_power_of_two_is_refused():
     """num_stages=1 would compile to a ring with no copy ahead (the kernel then reads before its
     copies land), 2 to two one-tile allocations (the ring's even and odd tiles), which Triton 3.6
@@ -341,6 +371,28 @@ def test_matches_reference_on_gpu(kv_heads, group, key_outliers, num_splits, sta
     out = torch.full_like(query, float("nan"))
     decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, num_splits=num_splits,
                      out=out, gluon=True, num_stages=stages)
+    ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
+    assert _worst_rel_err(out, ref) < 1e-2
+    triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, fp4_kernel=True)
+    assert _worst_rel_err(out, triton_out) < 1e-2
+
+
+@on_gpu
+@needs_gluon
+@pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 1), (2, 3)])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_key_groups_of_8_match_reference_on_gpu(kv_heads, group, num_splits):
+    """The KG8 build (key groups of 8, no key slots) against float32 attention over the same pages and the
+    Triton fp4 kernel: partial tiles, GQA groupings, one split (long: tile pairs where the group leaves
+    padding columns) and seven (short: single tiles)."""
+    formats = (FP4Format(group_size=8), FP4Format(group_size=32))
+    table, kp, vp = cuda_fp4_pages(SEQ_LENS, kv_heads, 16, formats, seed=kv_heads + group + 100)
+    query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
+    assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) is None
+    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
+    out = torch.full_like(query, float("nan"))
+    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, num_splits=num_splits,
+                     out=out, gluon=True)
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
     assert _worst_rel_err(out, ref) < 1e-2
     triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, fp4_kernel=True)

@@ -12,7 +12,9 @@ layout-level language), chosen so that nothing moves between threads except the 
   of each 16-wide k step. Which head dimension sits at which k is free as long as Q^T is permuted
   alike, so thread t takes bytes 16t..16t+15 of the row's 64 code bytes (one 16-byte load), and a
   k pair is one nibble of two adjacent bytes: the PTX unpack's output registers go to the tensor
-  cores as they are. With groups of 32 the thread's 32 values share one E4M3 scale.
+  cores as they are. With groups of 32 the thread's 32 values share one E4M3 scale; with key groups
+  of 8 (KG8, a format without key outlier slots that spends their bytes on scales: 81 bytes per key
+  vector either way) each of its 4 code words has its own, the token's 16 scale bytes one 16-byte copy.
 - The V operand. V^T's k is the token, so a pair is two tokens' same nibble. The rows (head
   dimensions) are free again: lane group g takes bytes 8g..8g+7 of each token (one 8-byte load),
   and one prmt pairs two tokens' bytes before the same unpack. The output rows are permuted back
@@ -263,7 +265,11 @@ if AVAILABLE:
         value x scale x 2^-6 (_K16_UNPACK_PTX)."""
         WN: gl.constexpr = codes.shape[0]
         TW: gl.constexpr = codes.shape[1]
-        sw = gl.expand_dims(scale, 3).broadcast_to(codes.shape)
+        SR: gl.constexpr = len(scale.shape)
+        if SR == 4:  # key groups of 8: one scale per code word
+            sw = scale
+        else:
+            sw = gl.expand_dims(scale, 3).broadcast_to(codes.shape)
         # byte 4w + 2q + e of the thread's 16: nibble of word w, pair q, element e
         if F16:
             lo01, lo23, hi01, hi23 = gl.inline_asm_elementwise(
@@ -484,6 +490,25 @@ if AVAILABLE:
         return rows_c2 * 2 + e_c2, mc2
 
     @gluon.jit
+    def _copy_rows4(n0, end, bt_row, h, BS: gl.constexpr, H: gl.constexpr, TW: gl.constexpr, OFF64: gl.constexpr,
+                    MASKED: gl.constexpr):
+        """Key groups of 8: the word offsets [W, TW, 4] of each token's 16 key scale bytes (one 16-byte copy per
+        token, lanes 16-31 repeating 0-15), and their mask."""
+        L4: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2]], lane_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0], [0, 0, 0]],
+            warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, TW, 4])
+        S2: gl.constexpr = gl.SliceLayout(2, L4)
+        w4 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, S2)), 1), 2)
+        r4 = gl.expand_dims(gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, S2)), 0), 2)
+        e4 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L4))), 0), 1)
+        rows4 = _tile_base(bt_row, n0 + TW * w4, end, BS, H, h, OFF64, MASKED) + r4 * H  # [W, TW, 1]
+        if MASKED:
+            m4 = (n0 + TW * w4 + r4 < end) & (e4 >= 0)
+        else:
+            m4 = (r4 >= 0) & (e4 >= 0)
+        return rows4 * 4 + e4, m4
+
+    @gluon.jit
     def _issue_tile(bufs, stage, n0, end, bt_row, h, pages, cidx, BS: gl.constexpr, H: gl.constexpr,
                     TW: gl.constexpr, K_KO: gl.constexpr, OFF64: gl.constexpr, MASKED: gl.constexpr):
         """Start copying one tile into stage `stage` of `bufs`, one of the ring's two allocations (cp.async,
@@ -500,7 +525,12 @@ if AVAILABLE:
         k0, k1, k2, k3, k4, v0, v1, v2 = pages
         pk, mk, rows_c, mc, pa, mva, mvb = _copy_rows(n0, end, bt_row, h, pages, cidx, BS, H, TW, OFF64, MASKED)
         _async_load(bkc.index(stage), pk, mk)
-        _async_load(bks.index(stage), k1.to(i32) + rows_c, mc)  # a token's 4 scale bytes: one word
+        KR: gl.constexpr = len(bks.shape)
+        if KR == 4:  # key groups of 8: a token's 16 scale bytes, 4 words
+            words4, m4 = _copy_rows4(n0, end, bt_row, h, BS, H, TW, OFF64, MASKED)
+            _async_load(bks.index(stage), k1.to(i32) + words4, m4)
+        else:
+            _async_load(bks.index(stage), k1.to(i32) + rows_c, mc)  # a token's 4 scale bytes: one word
         _async_load(bek.index(stage), k2.to(i32) + (rows_c >> 2), mc)
         if K_KO == 4:
             _async_load(biw.index(stage), k4.to(i32) + rows_c, mc)
@@ -513,7 +543,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _pair_sources(n0, bt_row, h, pages, cidx, BS: gl.constexpr, H: gl.constexpr, TW: gl.constexpr,
-                      K_KO: gl.constexpr, OFF64: gl.constexpr):
+                      K_KO: gl.constexpr, OFF64: gl.constexpr, KG8: gl.constexpr):
         """A whole tile's source pointers, one per array of a ring set (_ring_set's order; K_KO == 0: the
         outlier arrays' entries repeat the exponent's and are never copied)."""
         D: gl.constexpr = 128
@@ -529,7 +559,12 @@ if AVAILABLE:
         else:
             iw = ek
             vw = ek
-        return (pk, k1.to(i32) + rows_c, ek, iw, vw, v2.to(i32) + (rows_c >> 2), pa, pa + H * (D // 8),
+        if KG8:
+            words4, m4 = _copy_rows4(n0, n0, bt_row, h, BS, H, TW, OFF64, False)
+            pks = k1.to(i32) + words4
+        else:
+            pks = k1.to(i32) + rows_c
+        return (pk, pks, ek, iw, vw, v2.to(i32) + (rows_c >> 2), pa, pa + H * (D // 8),
                 v1.to(i32) + rows_c)
 
     @gluon.jit
@@ -575,7 +610,13 @@ if AVAILABLE:
         sh_k, sh_s, sh_v = shifts
         kc = bkc.index(stage).load(K_LOAD)
         KL3: gl.constexpr = gl.SliceLayout(3, K_LOAD)
-        ks = (gl.expand_dims(bks.index(stage).load(gl.SliceLayout(2, KL3)), 2) >> sh_k) & 255
+        KR: gl.constexpr = len(bks.shape)
+        if KR == 4:  # key groups of 8: word t holds the scale bytes of code words 0-3 of thread t
+            bw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, K_LOAD))))
+            bw = gl.expand_dims(gl.expand_dims(gl.expand_dims(bw, 0), 1), 2)  # [1, 1, 1, 4]
+            ks = (gl.expand_dims(bks.index(stage).load(KL3), 3) >> (8 * bw)) & 255
+        else:
+            ks = (gl.expand_dims(bks.index(stage).load(gl.SliceLayout(2, KL3)), 2) >> sh_k) & 255
         return kc, ks
 
     @gluon.jit
@@ -601,8 +642,9 @@ if AVAILABLE:
         if q < n_pairs:
             n1 = start + (2 * q) * (4 * TW)
             if _ONE_COPY_PER_PAIR:
-                a = _pair_sources(n1, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64)
-                b = _pair_sources(n1 + 4 * TW, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64)
+                KG8: gl.constexpr = len(bufs[1].shape) == 4
+                a = _pair_sources(n1, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, KG8)
+                b = _pair_sources(n1 + 4 * TW, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, KG8)
                 for i in gl.static_range(9):
                     if K_KO == 4 or (i != 3 and i != 4):
                         _copy_pair(bufs[i], a[i], b[i])
@@ -706,14 +748,17 @@ if AVAILABLE:
         return m_new, l_i, acc
 
     @gluon.jit
-    def _ring_set(NS: gl.constexpr, WN: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr):
+    def _ring_set(NS: gl.constexpr, WN: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr, KG8: gl.constexpr):
         """One of the ring's two allocations: NS stages of a tile's arrays, unswizzled and row-major (the
         leading dim is the stage), as the tuple _issue_tile and _read_tile take."""
         SL3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         SL4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
         SL5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
         bkc = gl.allocate_shared_memory(gl.int32, [NS, WN, TW, 4, 4], SL5)
-        bks = gl.allocate_shared_memory(gl.int32, [NS, WN, TW], SL3)
+        if KG8:
+            bks = gl.allocate_shared_memory(gl.int32, [NS, WN, TW, 4], SL4)
+        else:
+            bks = gl.allocate_shared_memory(gl.int32, [NS, WN, TW], SL3)
         bek = gl.allocate_shared_memory(gl.int32, [NS, WN, TW], SL3)
         if K_KO == 4:
             biw = gl.allocate_shared_memory(gl.int32, [NS, WN, TW], SL3)
@@ -965,12 +1010,13 @@ if AVAILABLE:
         TW: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
         K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, COPY_ROW: gl.constexpr, COPY_ROW2: gl.constexpr,
         S_ROW2: gl.constexpr, V_SCALE2: gl.constexpr, OFF64: gl.constexpr, STAGES: gl.constexpr,
-        F16: gl.constexpr, PAIR: gl.constexpr,
+        F16: gl.constexpr, PAIR: gl.constexpr, KG8: gl.constexpr,
     ):
         D: gl.constexpr = 128
         WN: gl.constexpr = 4
         NG: gl.constexpr = 4  # groups of 32 per vector
         gl.static_assert(PAIR == 0 or STAGES == 4, "tile pairs need the 4-tile ring (pair_min_tiles)")
+        gl.static_assert(not KG8 or (STAGES > 0 and K_KO == 0), "key groups of 8: the ring, no key slots")
         NH: gl.constexpr = 8
         h = gl.program_id(0)
         b = gl.program_id(1)
@@ -1028,8 +1074,8 @@ if AVAILABLE:
             # that the loop's barrier already orders them. Whole tile j sits in set j % 2, stage
             # (j // 2) % (STAGES // 2); the partial tile (attended first) in whole tile STAGES - 1's slot.
             # Tile pairs: set q % 2 holds whole tiles 2q (stage 0) and 2q + 1 (stage 1), attended as pair q
-            set0 = _ring_set(STAGES // 2, WN, TW, K_KO)
-            set1 = _ring_set(STAGES // 2, WN, TW, K_KO)
+            set0 = _ring_set(STAGES // 2, WN, TW, K_KO, KG8)
+            set1 = _ring_set(STAGES // 2, WN, TW, K_KO, KG8)
             shifts = (8 * t_k, ((r_s * H + h) & 3) * 8, 8 * (g_v // 2))
             w_c = gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, COPY_ROW)), 1)
             r_c = gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, COPY_ROW)), 0)
@@ -1175,18 +1221,21 @@ if AVAILABLE:
 
 
 def unsupported(query, k_pages, v_pages, formats, block_size: int) -> str | None:
-    """Why this kernel cannot run a decode (None: it can). Its scope: head_dim 128, K and V groups of
-    32, 0 or 4 key outlier slots and none for values, at most 8 query heads per KV head, pages of a
-    multiple of the warp tile, page arrays aligned to 4 bytes; Gluon, on CUDA sm_80+."""
+    """Why this kernel cannot run a decode (None: it can). Its scope: head_dim 128, K groups of 32 with 0
+    or 4 key outlier slots or K groups of 8 without, V groups of 32 without slots, at most 8 query heads
+    per KV head, pages of a multiple of the warp tile, page arrays aligned to 4 bytes; Gluon, on CUDA
+    sm_80+."""
     num_kv_heads, head_dim = k_pages.codes.shape[2], query.shape[-1]
     if head_dim != 128:
         return f"head_dim {head_dim} (needs 128)"
-    if formats[0].group(head_dim) != 32 or formats[1].group(head_dim) != 32:
-        return "groups other than 32"
+    if formats[0].group(head_dim) not in (8, 32) or formats[1].group(head_dim) != 32:
+        return "groups other than 32 (or 8 for keys)"
     if formats[1].outliers:
         return "value outlier slots"
     if formats[0].outliers not in (0, 4):
         return "key outlier slots other than 0 or 4"
+    if formats[0].group(head_dim) == 8 and formats[0].outliers:
+        return "key groups of 8 with key outlier slots"
     if query.shape[1] // num_kv_heads > N_HEADS:
         return f"more than {N_HEADS} query heads per KV head"
     if block_size % TW:
@@ -1212,10 +1261,12 @@ def pair_min_tiles(group: int, stages: int, pair: int | None = None) -> int:
 
 def _pair_copies_aligned(k_pages, v_pages) -> bool:
     """Whether _copy_pair's alignment (restated to the compiler, which cannot see it through the join) holds:
-    K codes from 16-byte, V codes and key outlier values from 8-byte boundaries (rows are whole multiples
-    of those). `unsupported` asks only for 4 bytes: other pages take single tiles."""
+    K codes (and key groups of 8's scale rows) from 16-byte, V codes and key outlier values from 8-byte
+    boundaries (rows are whole multiples of those). `unsupported` asks only for 4 bytes: other pages take
+    single tiles."""
     return (k_pages.codes.data_ptr() % 16 == 0 and v_pages.codes.data_ptr() % 8 == 0
-            and k_pages.out_vals.data_ptr() % 8 == 0)
+            and k_pages.out_vals.data_ptr() % 8 == 0
+            and (k_pages.scales.shape[-1] != 16 or k_pages.scales.data_ptr() % 16 == 0))
 
 
 class Launch:
@@ -1253,8 +1304,11 @@ class Launch:
         if pair and maxnreg is None:
             maxnreg = PAIR_MAXNREG
         self._pair_settled = not pair
+        kg8 = k_pages.scales.shape[-1] == 16  # key groups of 8 (unsupported() allows them without key slots)
+        if kg8 and (stages == 0 or k_outliers):
+            raise ValueError("key groups of 8 run on the cp.async ring (num_stages > 0) and without key outlier slots")
         self.constexprs = dict(
-            H=num_kv_heads, GROUP=group, BS=bs, K_KO=k_outliers, TW=TW,
+            H=num_kv_heads, GROUP=group, BS=bs, K_KO=k_outliers, TW=TW, KG8=kg8,
             OFF64=max(k_pages.codes.numel(), v_pages.codes.numel()) >= 2 ** 31, **_layouts_cached(),
             STAGES=stages, F16=F16_DEFAULT if fp16 is None else fp16,
             PAIR=pair,
