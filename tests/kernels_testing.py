@@ -23,6 +23,8 @@ FORMATS = {
     "fp4-zscore": ("fp4", (FP4Format(group_size=32, outliers=3, outlier_mode="zscore", zscore=2.5,
                                      scale_targets=(6.0, 4.0)),
                            FP4Format(group_size=16, outliers=1))),
+    # key groups of 8 without slots: the layout the Gluon kernel's KG8 build reads (81 B per key vector)
+    "fp4-kg8": ("fp4", (FP4Format(group_size=8), FP4Format(group_size=32))),
 }
 
 
