@@ -19,7 +19,7 @@ from app.engine.model_config import DUMMY_MODELS
 from app.engine.models.llama import LlamaConfig
 from app.engine.model_runner import graph_batch_sizes
 from app.engine.widen import copy_widened, widen_config
-from app.kernels import paged
+from app.kernels import decode_fp4_gluon, paged
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or paged.interpreting(),
                                 reason="needs CUDA (and TRITON_INTERPRET unset)")
@@ -68,17 +68,23 @@ def _run(llm, prompts, params, abort_at):
     return done
 
 
+# the fp4 layout the Gluon kernel's KG8 build reads: key groups of 8 without key outlier slots
+KG8 = {"key_group_size": 8, "key_outliers": 0}
+
+
 @pytest.mark.parametrize("shape", ["small", "8B"])
-@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp4"])
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp4", "fp4-kg8"])
 def test_graph_replay_equals_eager(stories_paths, tmp_path, shape, kv_cache_dtype):
     """Greedy and seeded tokens with decode graphs equal enforce_eager's, every bucket replayed,
-    with preemption (a small cache) and aborts mid-run."""
+    with preemption (a small cache) and aborts mid-run; fp4-kg8 is fp4 with key groups of 8 and no key
+    slots, which the Gluon kernel serves with its KG8 build."""
     rng = random.Random(0)
     prompts = [rng.choice(WORDS) + " " + rng.choice(WORDS) for _ in range(24)]
     params = [SamplingParams(temperature=0 if i % 4 else 0.7, seed=i, max_tokens=rng.randrange(8, 64),
                              ignore_eos=True) for i in range(24)]
     abort_at = {6: "r3", 20: "r10"}
-    kw = dict(kv_cache_dtype=kv_cache_dtype, max_num_seqs=16, num_kv_blocks=20, block_size=16,
+    fp4 = KG8 if kv_cache_dtype == "fp4-kg8" else {}
+    kw = dict(kv_cache_dtype=kv_cache_dtype.split("-")[0], fp4=fp4, max_num_seqs=16, num_kv_blocks=20, block_size=16,
               max_model_len=256, enable_prefix_caching=True,
               async_scheduling=False)  # its schedule replays every bucket; async: the test below
     results = {}
@@ -99,6 +105,8 @@ def test_graph_replay_equals_eager(stories_paths, tmp_path, shape, kv_cache_dtyp
         del llm, runner
         torch.cuda.empty_cache()
     assert results[True] == results[False]
+    if kv_cache_dtype == "fp4-kg8":  # the decode ran the KG8 build (head_dim 128: the Gluon kernel's scope)
+        assert any(dict(key[-1]).get("KG8") for key in decode_fp4_gluon._RESOURCES), list(decode_fp4_gluon._RESOURCES)
 
 
 def test_nonfinite_kv_fails_one_request_on_gpu(stories_paths, tmp_path):
