@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parent))  # last: bench/ must not shadow installed packages
 from peer_model import write_peer_model  # noqa: E402
 from servers import serve_run, vllm_server  # noqa: E402
 from serving import run_load_test, summarize  # noqa: E402

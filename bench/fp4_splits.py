@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import kernels as K  # noqa: E402 (bench/kernels.py: cases, pages, timing)
+from bench import kernels as K  # noqa: E402 (bench/kernels.py: cases, pages, timing)
 
 from app.kernels import decode_fp4_gluon  # noqa: E402
 from app.kernels.decode_attention import (  # noqa: E402

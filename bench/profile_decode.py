@@ -17,9 +17,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernels import FORMATS, HEAD_DIM, MODELS, profile_case  # noqa: E402
+from bench.kernels import FORMATS, HEAD_DIM, MODELS, profile_case  # noqa: E402
 
 from app.kernels.decode_attention import decode_attention  # noqa: E402
 

@@ -14,7 +14,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # last: bench/ must not shadow installed packages
 from app import LLM  # noqa: E402
 from tp_gpu import decode_rate  # noqa: E402
 
