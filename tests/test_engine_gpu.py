@@ -74,7 +74,7 @@ KG8 = {"key_group_size": 8, "key_outliers": 0}
 
 @pytest.mark.parametrize("shape", ["small", "8B"])
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp4", "fp4-kg8"])
-def test_graph_replay_equals_eager(stories_paths, tmp_path, shape, kv_cache_dtype):
+def test_graph_replay_equals_eager(stories_paths, tmp_path, shape, kv_cache_dtype, monkeypatch):
     """Greedy and seeded tokens with decode graphs equal enforce_eager's, every bucket replayed,
     with preemption (a small cache) and aborts mid-run; fp4-kg8 is fp4 with key groups of 8 and no key
     slots, which the Gluon kernel serves with its KG8 build."""
@@ -84,6 +84,14 @@ def test_graph_replay_equals_eager(stories_paths, tmp_path, shape, kv_cache_dtyp
                              ignore_eos=True) for i in range(24)]
     abort_at = {6: "r3", 20: "r10"}
     fp4 = KG8 if kv_cache_dtype == "fp4-kg8" else {}
+    kg8_launched = []  # KG8 of every Gluon decode launch (eager steps and graph captures)
+    launch_run = decode_fp4_gluon.Launch.run
+
+    def observed_run(self, *args, **kwargs):
+        kg8_launched.append(self.constexprs["KG8"])
+        return launch_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(decode_fp4_gluon.Launch, "run", observed_run)
     kw = dict(kv_cache_dtype=kv_cache_dtype.split("-")[0], fp4=fp4, max_num_seqs=16, num_kv_blocks=20, block_size=16,
               max_model_len=256, enable_prefix_caching=True,
               async_scheduling=False)  # its schedule replays every bucket; async: the test below
@@ -105,8 +113,8 @@ def test_graph_replay_equals_eager(stories_paths, tmp_path, shape, kv_cache_dtyp
         del llm, runner
         torch.cuda.empty_cache()
     assert results[True] == results[False]
-    if kv_cache_dtype == "fp4-kg8":  # the decode ran the KG8 build (head_dim 128: the Gluon kernel's scope)
-        assert any(dict(key[-1]).get("KG8") for key in decode_fp4_gluon._RESOURCES), list(decode_fp4_gluon._RESOURCES)
+    if kv_cache_dtype.startswith("fp4"):  # head_dim 128: the Gluon kernel decoded, KG8 exactly for fp4-kg8
+        assert kg8_launched and set(kg8_launched) == {kv_cache_dtype == "fp4-kg8"}, set(kg8_launched)
 
 
 def test_nonfinite_kv_fails_one_request_on_gpu(stories_paths, tmp_path):

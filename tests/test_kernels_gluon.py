@@ -140,6 +140,8 @@ def test_unsupported_names_the_reason():
         "groups other than 32 (or 8 for keys)")
     assert why(formats=(FP4Format(group_size=8, outliers=4), FP4Format(group_size=32))) == (
         "key groups of 8 with key outlier slots")
+    assert why(formats=(FP4Format(group_size=8, outliers=2), FP4Format(group_size=32))) == (
+        "key groups of 8 with key outlier slots")
     assert why(formats=(FP4Format(group_size=32, outliers=4), FP4Format(group_size=32, outliers=1))) == (
         "value outlier slots")
     assert why(formats=(FP4Format(group_size=32, outliers=2), FP4Format(group_size=32))) == (
@@ -148,10 +150,14 @@ def test_unsupported_names_the_reason():
     assert why(block_size=8) == "block_size 8 not a multiple of 16"
     for field in range(5):  # codes, scales, scale_exp, out_vals, out_idx
         assert why(offset=2, field=field).startswith("page arrays not 4-byte aligned"), field
-    # in scope: on this CPU (or a Triton without Gluon) it still says no
-    assert why() in ("Gluon kernels run on CUDA, not on CPU or under TRITON_INTERPRET", "this Triton has no Gluon")
+    # in scope (the default format, and key groups of 8 without slots): on this CPU (or a Triton without
+    # Gluon) it still says no
+    for formats in (DEFAULT_FP4, (FP4Format(group_size=8), FP4Format(group_size=32))):
+        assert why(formats=formats) in ("Gluon kernels run on CUDA, not on CPU or under TRITON_INTERPRET",
+                                        "this Triton has no Gluon"), formats
 
 
+@needs_gluon
 @needs_gluon
 def test_key_groups_of_8_run_on_the_ring_without_key_slots():
     """Key groups of 8 (16 scale bytes per key vector) build KG8, on the cp.async ring and without key
@@ -162,13 +168,14 @@ def test_key_groups_of_8_run_on_the_ring_without_key_slots():
     q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
     table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     assert decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 0).constexprs["KG8"]
-    with pytest.raises(ValueError, match="key groups of 8 run on the cp.async ring"):
+    with pytest.raises(ValueError, match="key groups of 8 run on the cp.async ring only"):
         decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 0, stages=0)
-    with pytest.raises(ValueError, match="without key outlier slots"):
+    with pytest.raises(ValueError, match="key groups of 8 run without key outlier slots"):
         decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4)
     assert not _cpu_launch(group=8, kv_heads=1).constexprs["KG8"]
 
 
+@needs_gluon
 def test_num_stages_other_than_0_or_a_power_of_two_is_refused():
     """num_stages=1 would compile to a ring with no copy ahead (the kernel then reads before its
     copies land), 2 to two one-tile allocations (the ring's even and odd tiles), which Triton 3.6
@@ -324,6 +331,12 @@ def test_pages_not_aligned_for_the_joined_pair_copies_take_single_tiles(monkeypa
     assert launch(0, 4, values=True) == 0 and launch(0, 8, values=True) == pair  # V codes
     assert launch(3, 4) == 0 and launch(3, 8) == pair  # key outlier values
     assert launch(1, 4) == pair  # scales: one word per token, copied 4 bytes at a time either way
+    # key groups of 8: a token's 16 scale bytes are one 16-byte copy, so the scales must start 16-byte aligned
+    kg8 = _zero_pages(formats=(FP4Format(group_size=8), FP4Format(group_size=32)))
+    q, table, lens = torch.zeros(2, 8, 128, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    for offset, expect in ((0, pair), (4, 0), (8, 0)):
+        k = _moved(kg8[0], 1, offset) if offset else kg8[0]
+        assert decode_fp4_gluon.Launch(q, k, kg8[1], table, lens, 1.0, 0).constexprs["PAIR"] == expect, offset
     monkeypatch.setattr(decode_fp4_gluon, "ONE_COPY_PER_PAIR", False)
     assert launch(0, 4) == pair
 
@@ -397,6 +410,12 @@ def test_key_groups_of_8_match_reference_on_gpu(kv_heads, group, num_splits):
     assert _worst_rel_err(out, ref) < 1e-2
     triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, fp4_kernel=True)
     assert _worst_rel_err(out, triton_out) < 1e-2
+    if num_splits is None and group == 4:  # loads into registers: the Triton kernel runs them, or Gluon says why
+        stage0 = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, num_stages=0)
+        assert _worst_rel_err(stage0, ref) < 1e-2
+        with pytest.raises(ValueError, match="cannot run this decode: key groups of 8 run on the cp.async ring"):
+            decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, gluon=True,
+                             num_stages=0)
 
 
 @on_gpu

@@ -10,9 +10,9 @@ split it writes the output; with several, each split writes its normalized parti
 log-sum-exp, and `_merge_kernel` combines them. Splitting the KV range is what keeps 132 SMs busy
 at batch 1 and long context.
 
-The engine's default fp4 cache runs decode_fp4_gluon's kernel on CUDA (Gluon: explicit layouts
-around the fp4 unpack; its docstring says how, `unsupported` says what it needs); other fp4 K and
-V pages run _decode_fp4_kernel, the same algorithm arranged around the unpack in plain Triton (also
+The engine's default fp4 cache (and key groups of 8 without key slots) runs decode_fp4_gluon's kernel on
+CUDA (Gluon: explicit layouts around the fp4 unpack; its docstring says how, `unsupported` says what it
+needs); other fp4 K and V pages run _decode_fp4_kernel, the same algorithm arranged around the unpack in plain Triton (also
 what the CPU tests interpret); every other combination runs _decode_kernel.
 
 Speed (bench/RESULTS.md, H200): bf16 pages run within 3-12% of torch SDPA on contiguous K/V for the
@@ -335,8 +335,9 @@ def decode_attention(
     gluon: True requires the Gluon kernel (ValueError naming why it cannot run), False never uses
     it; fp4_kernel: True/False forces fp4 pages through _decode_fp4_kernel/_decode_kernel (tests and
     the benchmark's baselines); precise_pv and asm=False exist only in the Triton kernels and select
-    them. num_stages: for the Gluon kernel, 0 (loads into registers) or the tiles of its cp.async
-    ring, a power of two >= 4 (None: decode_fp4_gluon.STAGES; other values raise ValueError); for
+    them. num_stages: for the Gluon kernel, 0 (loads into registers; key groups of 8 then run the Triton
+    kernel) or the tiles of its cp.async ring, a power of two >= 4 (None: decode_fp4_gluon.STAGES; other
+    values raise ValueError); for
     the Triton kernels, the software-pipeline depth (None: 2, and for fp4 pages 1 once batch x KV
     heads >= 8). Triton
     kernels only: block_n: tokens per tile (None: 128 for fp4 pages, 64 otherwise, the fastest in
@@ -373,6 +374,8 @@ def decode_attention(
     why = "K and V pages are not both fp4"
     if fp4_pages:
         why = decode_fp4_gluon.unsupported(query, k_pages, v_pages, formats, bs)
+        if why is None and num_stages == 0 and formats[0].group(head_dim) == 8:
+            why = "key groups of 8 run on the cp.async ring only (num_stages > 0)"
         if why is None and (fp4_kernel is not None or precise_pv or asm is False):
             why = "a Triton kernel was asked for (fp4_kernel, precise_pv or asm=False)"
     if gluon and why is not None:

@@ -39,7 +39,8 @@ layout-level language), chosen so that nothing moves between threads except the 
   waits on one barrier: with Triton < 3.9 each array of a set takes the pair's two tiles as one copy
   (_copy_pair; two copies into one allocation made Triton 3.6's Membar pass put a second barrier
   between them, as it does not tell an allocation's stages apart; 3.9 does, and copies tile by tile),
-  which needs K codes 16-byte and V codes and key outlier values 8-byte aligned (else single tiles).
+  which needs K codes (and KG8's key scale rows) 16-byte and V codes and key outlier values 8-byte
+  aligned (else single tiles).
   Triton 3.9 cannot fit the paired kernel with key slots in PAIR_MAXNREG registers (it spills):
   Launch then runs single tiles (_settle_pair).
 - Code-to-number maps, two ways (F16). bf16: paged._FP4_UNPACK_BODY's shifts and masks put each code
@@ -67,9 +68,10 @@ layout-level language), chosen so that nothing moves between threads except the 
 - Pages. A warp tile's 16 tokens share a page, so a thread reads one block-table entry per tile
   and layout (three: K, scores, V) and addresses its tokens as base row + r x num_kv_heads.
 
-Scope: head_dim 128, K and V groups of 32, 0 or 4 key outlier slots and none for values (the
-engine's default format), at most 8 query heads per KV head, pages of a multiple of 16 tokens;
-decode_attention runs the Triton kernels otherwise (`unsupported` says why). Gluon does not run
+Scope: head_dim 128, K groups of 32 with 0 or 4 key outlier slots (the engine's default format has 4)
+or K groups of 8 without (KG8, on the cp.async ring only), V groups of 32 without slots, at most 8 query
+heads per KV head, pages of a multiple of 16 tokens; decode_attention runs the Triton kernels otherwise
+(`unsupported` says why). Gluon does not run
 under the interpreter: tests/test_kernels_gluon.py compiles it for sm_90 on any machine and checks
 it against the reference on a GPU; bench/kernels.py times it, bench/kernel_sass.py counts its loop.
 """
@@ -259,7 +261,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _unpack_k(codes, scale, F16: gl.constexpr):
-        """codes [W, TW, 4, 4] int32 (bytes 16t + 4w..), bf16x2 scale words [W, TW, 4] (bf16_scales) ->
+        """codes [W, TW, 4, 4] int32 (bytes 16t + 4w..), bf16x2 scale words [W, TW, 4] (bf16_scales; key groups
+        of 8: [W, TW, 4, 4], one per code word) ->
         K [W, TW, 128] bf16 in the A-operand layout, k = 16 j + 8 h + 2 t + x holding head dimension
         32 t + 4 j + 2 x + h (value x scale x 2^-8). F16: fp16x2 scale words (f16_scales) -> K in fp16,
         value x scale x 2^-6 (_K16_UNPACK_PTX)."""
@@ -514,7 +517,8 @@ if AVAILABLE:
         """Start copying one tile into stage `stage` of `bufs`, one of the ring's two allocations (cp.async,
         STAGES > 0).
         cp.async moves 4, 8 or 16 bytes, so byte arrays travel as the aligned word that holds the byte
-        (_read_tile picks it out): a token's 4 K or V scale bytes are one word, an exponent byte is
+        (_read_tile picks it out): a token's 4 K or V scale bytes are one word (with key groups of 8 its
+        16 K scale bytes are 4 words, one 16-byte copy: _copy_rows4), an exponent byte is
         byte (row & 3) of word row >> 2. Per-token words are copied once per token (COPY_ROW), not
         once per thread that reads them. MASKED (the partial tile, which the ring attends first): tokens
         at or past `end` copy zeros. (The outlier value rows are computed after the first copies: computed
@@ -1232,10 +1236,10 @@ def unsupported(query, k_pages, v_pages, formats, block_size: int) -> str | None
         return "groups other than 32 (or 8 for keys)"
     if formats[1].outliers:
         return "value outlier slots"
-    if formats[0].outliers not in (0, 4):
-        return "key outlier slots other than 0 or 4"
     if formats[0].group(head_dim) == 8 and formats[0].outliers:
         return "key groups of 8 with key outlier slots"
+    if formats[0].outliers not in (0, 4):
+        return "key outlier slots other than 0 or 4"
     if query.shape[1] // num_kv_heads > N_HEADS:
         return f"more than {N_HEADS} query heads per KV head"
     if block_size % TW:
@@ -1305,8 +1309,10 @@ class Launch:
             maxnreg = PAIR_MAXNREG
         self._pair_settled = not pair
         kg8 = k_pages.scales.shape[-1] == 16  # key groups of 8 (unsupported() allows them without key slots)
-        if kg8 and (stages == 0 or k_outliers):
-            raise ValueError("key groups of 8 run on the cp.async ring (num_stages > 0) and without key outlier slots")
+        if kg8 and stages == 0:
+            raise ValueError("key groups of 8 run on the cp.async ring only (num_stages > 0)")
+        if kg8 and k_outliers:
+            raise ValueError("key groups of 8 run without key outlier slots")
         self.constexprs = dict(
             H=num_kv_heads, GROUP=group, BS=bs, K_KO=k_outliers, TW=TW, KG8=kg8,
             OFF64=max(k_pages.codes.numel(), v_pages.codes.numel()) >= 2 ** 31, **_layouts_cached(),
