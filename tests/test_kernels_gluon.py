@@ -126,12 +126,12 @@ def _cpu_launch(group=4, kv_heads=2, seqs=2, pages=None, **kw):
 
 
 def test_unsupported_names_the_reason():
-    def why(head_dim=128, heads=8, kv_heads=2, formats=DEFAULT_FP4, block_size=16, offset=0, field=0):
+    def why(head_dim=128, heads=8, kv_heads=2, formats=DEFAULT_FP4, block_size=16, offset=0, field=0, stages=None):
         q = torch.zeros(1, heads, head_dim, dtype=torch.bfloat16)
         k, v = _zero_pages(kv_heads, 1, block_size, head_dim, formats)
         if offset:  # one of K's arrays (codes, scales, exponents, ...) starting `offset` bytes into its storage
             k = _moved(k, field, offset)
-        return decode_fp4_gluon.unsupported(q, k, v, formats, block_size)
+        return decode_fp4_gluon.unsupported(q, k, v, formats, block_size, stages)
 
     assert why(head_dim=64) == "head_dim 64 (needs 128)"
     assert why(formats=(FP4Format(group_size=16, outliers=4), FP4Format(group_size=32))) == (
@@ -142,6 +142,8 @@ def test_unsupported_names_the_reason():
         "key groups of 8 with key outlier slots")
     assert why(formats=(FP4Format(group_size=8, outliers=2), FP4Format(group_size=32))) == (
         "key groups of 8 with key outlier slots")
+    assert why(formats=(FP4Format(group_size=8), FP4Format(group_size=32)), stages=0) == (
+        "key groups of 8 run on the cp.async ring only (num_stages > 0)")
     assert why(formats=(FP4Format(group_size=32, outliers=4), FP4Format(group_size=32, outliers=1))) == (
         "value outlier slots")
     assert why(formats=(FP4Format(group_size=32, outliers=2), FP4Format(group_size=32))) == (
@@ -639,7 +641,7 @@ def test_falls_back_outside_its_scope_on_gpu():
     formats = (FP4Format(group_size=16, outliers=1), FP4Format(group_size=16))
     table, kp, vp = cuda_fp4_pages([100], 2, 16, formats, seed=0)
     query = torch.randn(1, 8, 128, device="cuda").bfloat16()
-    assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) == "groups other than 32"
+    assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) == "groups other than 32 (or 8 for keys)"
     lens = torch.tensor([100], device="cuda")
     with pytest.raises(ValueError, match="groups other than 32"):
         decode_attention(query, kp, vp, table, lens, 0.1, 100, formats, gluon=True)

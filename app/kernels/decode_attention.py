@@ -373,9 +373,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     why = "K and V pages are not both fp4"
     if fp4_pages:
-        why = decode_fp4_gluon.unsupported(query, k_pages, v_pages, formats, bs)
-        if why is None and num_stages == 0 and formats[0].group(head_dim) == 8:
-            why = "key groups of 8 run on the cp.async ring only (num_stages > 0)"
+        why = decode_fp4_gluon.unsupported(query, k_pages, v_pages, formats, bs, num_stages)
         if why is None and (fp4_kernel is not None or precise_pv or asm is False):
             why = "a Triton kernel was asked for (fp4_kernel, precise_pv or asm=False)"
     if gluon and why is not None:

@@ -1224,11 +1224,11 @@ if AVAILABLE:
             gl.store(part_lse_ptr + part_l, lse, mask=n_l < GROUP)
 
 
-def unsupported(query, k_pages, v_pages, formats, block_size: int) -> str | None:
+def unsupported(query, k_pages, v_pages, formats, block_size: int, num_stages: int | None = None) -> str | None:
     """Why this kernel cannot run a decode (None: it can). Its scope: head_dim 128, K groups of 32 with 0
-    or 4 key outlier slots or K groups of 8 without, V groups of 32 without slots, at most 8 query heads
-    per KV head, pages of a multiple of the warp tile, page arrays aligned to 4 bytes; Gluon, on CUDA
-    sm_80+."""
+    or 4 key outlier slots or K groups of 8 without (on the cp.async ring: num_stages not 0), V groups of
+    32 without slots, at most 8 query heads per KV head, pages of a multiple of the warp tile, page arrays
+    aligned to 4 bytes; Gluon, on CUDA sm_80+."""
     num_kv_heads, head_dim = k_pages.codes.shape[2], query.shape[-1]
     if head_dim != 128:
         return f"head_dim {head_dim} (needs 128)"
@@ -1238,6 +1238,8 @@ def unsupported(query, k_pages, v_pages, formats, block_size: int) -> str | None
         return "value outlier slots"
     if formats[0].group(head_dim) == 8 and formats[0].outliers:
         return "key groups of 8 with key outlier slots"
+    if formats[0].group(head_dim) == 8 and num_stages == 0:
+        return "key groups of 8 run on the cp.async ring only (num_stages > 0)"
     if formats[0].outliers not in (0, 4):
         return "key outlier slots other than 0 or 4"
     if query.shape[1] // num_kv_heads > N_HEADS:
@@ -1270,7 +1272,12 @@ def _pair_copies_aligned(k_pages, v_pages) -> bool:
     single tiles."""
     return (k_pages.codes.data_ptr() % 16 == 0 and v_pages.codes.data_ptr() % 8 == 0
             and k_pages.out_vals.data_ptr() % 8 == 0
-            and (k_pages.scales.shape[-1] != 16 or k_pages.scales.data_ptr() % 16 == 0))
+            and (not _key_groups_of_8(k_pages) or k_pages.scales.data_ptr() % 16 == 0))
+
+
+def _key_groups_of_8(k_pages) -> bool:
+    """Whether K pages hold key groups of 8 (16 scale bytes per head_dim-128 vector): the KG8 build."""
+    return k_pages.scales.shape[-1] == 16
 
 
 class Launch:
@@ -1308,7 +1315,7 @@ class Launch:
         if pair and maxnreg is None:
             maxnreg = PAIR_MAXNREG
         self._pair_settled = not pair
-        kg8 = k_pages.scales.shape[-1] == 16  # key groups of 8 (unsupported() allows them without key slots)
+        kg8 = _key_groups_of_8(k_pages)  # unsupported() allows them without key slots, on the ring
         if kg8 and stages == 0:
             raise ValueError("key groups of 8 run on the cp.async ring only (num_stages > 0)")
         if kg8 and k_outliers:
