@@ -140,7 +140,7 @@ def main() -> None:
             row[f"{n}_max_abs_diff_vs_{names[0]}"] = (outs[n].float() - outs[names[0]].float()).abs().max().item()
             row[f"{n}_splits"] = versions[n].num_splits
             row[f"{n}_regs"], row[f"{n}_smem"] = versions[n].launch.resources()
-        best = best_times({n: versions[n] for n in names}, args.rounds)
+        best = best_times(versions, args.rounds)
         for n in names:
             row[f"{n}_ms"] = best[n]
             row[f"{n}_vs_sdpa"] = row["sdpa_ms"] / best[n]

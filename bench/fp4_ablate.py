@@ -56,8 +56,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.fp4_ab import Version, add_case_args, load_module, save_row  # noqa: E402
-from bench.kernels import (FORMATS, FP4_BYTES, HEAD_DIM, MODELS, bench, copy_bandwidth,  # noqa: E402
+from bench.fp4_ab import Version, add_case_args, best_times, load_module, save_row  # noqa: E402
+from bench.kernels import (FORMATS, FP4_BYTES, HEAD_DIM, MODELS, copy_bandwidth,  # noqa: E402
                            decode_cases, profile_case, random_fp4_pages, run_info)
 
 MODULE = os.path.join(ROOT, "app", "kernels", "decode_fp4_gluon.py")
@@ -177,10 +177,7 @@ def main() -> None:
         # every variant capped at 128 registers, the kernel's own count, so that all run 4 programs per SM
         # (without the cap the ablated copies take up to 168 and fewer programs fit)
         runs = {n: make_run(n, mods[n], q, kp, vp, table, sl, scale, row["ctx"]) for n in names}
-        best = {n: float("inf") for n in names}
-        for _ in range(args.rounds):
-            for n in names:
-                best[n] = min(best[n], bench(runs[n]))
+        best = best_times(runs, args.rounds)
         row["floor_ms"] = row["batch"] * row["ctx"] * hk * FP4_BYTES / copy_bw * 1e3
         for n in names:
             row[f"{n}_ms"] = best[n]
