@@ -248,19 +248,31 @@ def heldout_windows(tokenizer, num_tokens: int, window: int) -> list[list[int]]:
     return [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
 
 
+def real_model_llm(kind: str, opts: dict | None, chunk: int) -> LLM:
+    """SmolLM2 with the variant's KV cache, prefills in chunks of `chunk` tokens, no prefix caching (so every
+    window is scored through its own cache blocks)."""
+    extra = {"fp4": FP4Config(**opts)} if opts is not None else {}
+    return LLM(model=REAL_MODEL, kv_cache_dtype=kind, max_num_batched_tokens=chunk, enable_prefix_caching=False,
+               **extra)
+
+
+def heldout_scores(llm: LLM, num_tokens: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities, most likely next tokens) [scored tokens] of the held-out windows through the
+    engine's prompt logprobs (every window's first token is not scored)."""
+    outs = llm.generate(heldout_windows(llm.tokenizer, num_tokens, window),
+                        SamplingParams(max_tokens=0, prompt_logprobs=1), log_every_s=30)
+    lps = torch.tensor([lp for o in outs for lp in o.prompt_logprobs[1:]])
+    top1 = torch.tensor([top[0][0] for o in outs for top in o.prompt_top_logprobs[1:]])
+    return lps, top1
+
+
 def section_smollm2(args) -> list[dict]:
     by_name = {name: (kind, opts) for name, kind, opts in VARIANTS}
     results, ref_top1 = [], None
     for name in args.real_variants:
-        kind, opts = by_name[name]
         t0 = time.perf_counter()
-        extra = {"fp4": FP4Config(**opts)} if opts is not None else {}
-        llm = LLM(model=REAL_MODEL, kv_cache_dtype=kind, max_num_batched_tokens=args.real_chunk,
-                  enable_prefix_caching=False, **extra)
-        windows = heldout_windows(llm.tokenizer, args.real_tokens, args.real_window)
-        outs = llm.generate(windows, SamplingParams(max_tokens=0, prompt_logprobs=1), log_every_s=30)
-        lps = torch.tensor([lp for o in outs for lp in o.prompt_logprobs[1:]])
-        top1 = torch.tensor([top[0][0] for o in outs for top in o.prompt_top_logprobs[1:]])
+        llm = real_model_llm(*by_name[name], args.real_chunk)
+        lps, top1 = heldout_scores(llm, args.real_tokens, args.real_window)
         ref_top1 = top1 if ref_top1 is None else ref_top1  # bf16 runs first
         results.append({"variant": name, "nll": -lps.mean().item(), "num_tokens": len(lps),
                         "teacher_forced_top1": (top1 == ref_top1).float().mean().item(),

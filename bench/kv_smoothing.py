@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 
 from app import LLM, SamplingParams
-from app.config import FP4Config
-from bench.kv_quality import REAL_MODEL, VARIANTS, heldout_windows, log
+from bench.kv_quality import VARIANTS, heldout_scores, log, real_model_llm
 
 
 def calibration_windows(tokenizer, num_tokens: int, window: int) -> list[list[int]]:
@@ -99,9 +98,7 @@ def fold_into_weights(model, factors: torch.Tensor) -> None:
 
 def run(kind: str, opts: dict | None, smoothing: str, args) -> dict:
     t0 = time.perf_counter()
-    extra = {"fp4": FP4Config(**opts)} if opts is not None else {}
-    llm = LLM(model=REAL_MODEL, kv_cache_dtype=kind, max_num_batched_tokens=args.chunk, enable_prefix_caching=False,
-              **extra)
+    llm = real_model_llm(kind, opts, args.chunk)
     spread = None
     if smoothing != "none":
         stat, alpha = smoothing.split(":")
@@ -109,10 +106,7 @@ def run(kind: str, opts: dict | None, smoothing: str, args) -> dict:
         factors = smoothing_factors(stats[stat], float(alpha))
         spread = float(factors.max() / factors.min())
         fold_into_weights(llm.engine.model, factors)
-    windows = heldout_windows(llm.tokenizer, args.tokens, args.window)
-    outs = llm.generate(windows, SamplingParams(max_tokens=0, prompt_logprobs=1))
-    lps = torch.tensor([lp for o in outs for lp in o.prompt_logprobs[1:]])
-    top1 = torch.tensor([top[0][0] for o in outs for top in o.prompt_top_logprobs[1:]])
+    lps, top1 = heldout_scores(llm, args.tokens, args.window)
     return {"nll": -lps.mean().item(), "top1": top1, "factor_spread": spread, "seconds": time.perf_counter() - t0}
 
 
