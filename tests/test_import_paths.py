@@ -3,6 +3,7 @@ chaos, router, peer_model). bench/ also holds kernels.py, and transformers impor
 named `kernels`: with bench/ first on the path that import found bench/kernels.py and every test that
 loads a model through transformers failed (in whichever order pytest collected them)."""
 
+import os
 import re
 import subprocess
 import sys
@@ -35,9 +36,9 @@ sys.exit(1 if bad else 0)
 def test_no_bench_module_shadows_an_installed_package():
     """After importing what the tests import (in a fresh interpreter: pytest's own order does not matter),
     every bench module name that an installed package also has still imports the installed one."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), RAY_AUTH_MODE="disabled", TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-c", CHECK, *IMPORTED_BY_TESTS], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=300, env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin",
-                                                      "RAY_AUTH_MODE": "disabled", "TRITON_INTERPRET": "1"})
+                         text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
 
 
