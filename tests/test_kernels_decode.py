@@ -131,6 +131,18 @@ def test_fp4_splits(pairs, seq_len, splits):
     assert seq_len // got >= min(FP4_SPLIT_TOKENS[-1], seq_len)
 
 
+def test_fp4_layers_plans_the_models_layers_within_the_memory_budget():
+    """bench/fp4_layers.py runs the model's layers (32 / 80) unless every variant's caches (bf16 K+V, default
+    fp4 K+V, KG8 K + V: 512 + 2 x 150 bytes per token and KV head) would exceed the budget, then as many as fit."""
+    from bench.fp4_layers import layers_for
+
+    assert layers_for("8B", 8, 8192, 90e9) == 32
+    assert layers_for("70B-TP8", 32, 32768, 90e9) == 80
+    per_layer = 32 * 32768 * 8 * (512 + 2 * 150)
+    assert layers_for("8B", 32, 32768, 90e9) == int(90e9 // per_layer) == 13
+    assert layers_for("8B", 32, 32768, 1e9) == 1  # never none
+
+
 def test_fp4_splits_capped_by_the_longest_split_that_fills_half_the_sms():
     """At most the splits of the longest of FP4_SPLIT_TOKENS (512, 256, 128) for which the programs
     number at least half the SMs (66), of the shortest where none does; the cost alone would often split
