@@ -422,6 +422,41 @@ def test_key_groups_of_8_match_reference_on_gpu(kv_heads, group, num_splits):
 
 @on_gpu
 @needs_gluon
+@pytest.mark.parametrize("off64", [False, True])
+@pytest.mark.parametrize("fp16", [True, False])
+@pytest.mark.parametrize("stages", [decode_fp4_gluon.STAGES, 8])
+def test_key_groups_of_8_other_builds_on_gpu(monkeypatch, stages, fp16, off64):
+    """KG8 with what the reference cases above leave at their defaults: bf16 code maps (fp16=False), the
+    8-tile ring, and the int64 offsets that page arrays of 2 GiB or more take (forced on small pages), each
+    against float32 attention, with tile pairs (8 KV heads x 4, one split) and without (seven splits; 1 x 8);
+    every launch's build is checked to be the one asked for."""
+    seen = []
+
+    class Observed(decode_fp4_gluon.Launch):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if off64:
+                self.constexprs["OFF64"] = True
+            seen.append(self.constexprs)
+
+    monkeypatch.setattr(decode_fp4_gluon, "Launch", Observed)
+    formats = (FP4Format(group_size=8), FP4Format(group_size=32))
+    for kv_heads, group in ((8, 4), (1, 8)):
+        table, kp, vp = cuda_fp4_pages(SEQ_LENS, kv_heads, 16, formats, seed=kv_heads + stages + 10 * fp16)
+        query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
+        lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
+        ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
+        for num_splits in (1, 7):
+            out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, gluon=True,
+                                   num_splits=num_splits, num_stages=stages, fp16=fp16)
+            assert _worst_rel_err(out, ref) < 1e-2, (kv_heads, group, num_splits)
+    assert len(seen) == 4
+    for c in seen:
+        assert (c["KG8"], c["K_KO"], c["STAGES"], c["F16"], c["OFF64"]) == (True, 0, stages, fp16, off64), c
+
+
+@on_gpu
+@needs_gluon
 @pytest.mark.parametrize("stages", [decode_fp4_gluon.STAGES, 8])
 @pytest.mark.parametrize("kv_heads,group", [(2, 3), (1, 8)])
 def test_ring_whole_tile_counts_on_gpu(stages, kv_heads, group):
