@@ -18,11 +18,12 @@ Every row: SDPA bf16 (contiguous K/V, its fastest backend for this shape picked 
 same backend for the layered graph), decode_attention on default-format fp4 pages ("fp4") and on
 KG8 pages ("kg8": FP4Config(key_group_size=8, key_outliers=0)). Each variant's layered graph is checked
 against its single call on the last layer (the same output: a graph that ran something else would show).
---ablate adds bench/fp4_ablate.py's variants (copies of the kernel with a part taken out, e.g. `fixed`: no tile
-attended; `no_merge`: the decode kernel without the split merge) on the default-format pages, so that what
-a call costs whatever its length is measured per layer too. --profile adds, per variant, what the profiler records of three replays of its layered graph: each kernel's
-device time per layer, their sum, and the span from the first kernel's start to the last one's end (the
-difference is time between kernels: launch gaps, dependency waits).
+--ablate adds bench/fp4_ablate.py's variants (copies of the kernel with a part taken out, e.g. `fixed`: no
+tile attended; `no_merge`: the decode kernel without the split merge) on the default-format pages, so that
+what a call costs whatever its length is measured per layer too. --profile adds, per variant, what the
+profiler records of three replays of its layered graph: each kernel's device time per layer, their sum,
+and the span from the first kernel's start to the last one's end (the difference is time between
+kernels: launch gaps, dependency waits).
 """
 
 from __future__ import annotations
@@ -184,7 +185,8 @@ def print_table(rows) -> None:
     extra = [k[:-len("_per_layer_ms")] for k in (rows[0] if rows else {}) if k.startswith("ablate_")
              and k.endswith("_per_layer_ms")]
     if extra:
-        print("\n| model | ctx | batch | fp4 per layer ms | " + " | ".join(f"{e} per layer ms (vs fp4)" for e in extra) + " |")
+        cols = " | ".join(f"{e} per layer ms (vs fp4)" for e in extra)
+        print(f"\n| model | ctx | batch | fp4 per layer ms | {cols} |")
         for r in rows:
             print(f"| {r['model']} | {r['ctx'] // 1024}k | {r['batch']} | {r['fp4_per_layer_ms']:.4f} | " + " | ".join(
                 f"{r[f'{e}_per_layer_ms']:.4f} ({r[f'{e}_per_layer_ms'] / r['fp4_per_layer_ms']:.2f})" for e in extra)
