@@ -20,7 +20,8 @@ KG8 pages ("kg8": FP4Config(key_group_size=8, key_outliers=0)). Each variant's l
 against its single call on the last layer (the same output: a graph that ran something else would show).
 --ablate adds bench/fp4_ablate.py's variants (copies of the kernel with a part taken out, e.g. `fixed`: no
 tile attended; `no_merge`: the decode kernel without the split merge) on the default-format pages, so that
-what a call costs whatever its length is measured per layer too. --profile adds, per variant, what the
+what a call costs whatever its length is measured per layer too. --splits adds the default format with
+other split counts than decode_attention plans (`fp4_planned_splits`). --profile adds, per variant, what the
 profiler records of three replays of its layered graph: each kernel's device time per layer, their sum,
 and the span from the first kernel's start to the last one's end (the difference is time between
 kernels: launch gaps, dependency waits).
@@ -40,10 +41,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from app.config import FP4Config  # noqa: E402
-from app.kernels.decode_attention import decode_attention  # noqa: E402
+from app.kernels import decode_fp4_gluon  # noqa: E402
+from app.kernels.decode_attention import decode_attention, num_splits_for  # noqa: E402
 from bench.fp4_ab import best_times, save_row  # noqa: E402
-from bench.kernels import (BF16_BYTES, DEV, FORMATS, HEAD_DIM, MODELS, best_sdpa, random_fp4_pages,  # noqa: E402
-                           run_info, sdpa_decode, shuffled_tables)
+from bench.kernels import (BF16_BYTES, DEV, FORMATS, GLUON_TILE, HEAD_DIM, MODELS, best_sdpa,  # noqa: E402
+                           random_fp4_pages, run_info, sdpa_decode, shuffled_tables)
 
 KG8 = FP4Config(key_group_size=8, key_outliers=0).formats()[0]
 MODEL_LAYERS = {"8B": 32, "70B-TP8": 80}
@@ -93,6 +95,19 @@ def fp4_layers(q, table, sl, nb, hk, ctx, n, kfmt):
     vps = [random_fp4_pages(nb, hk, FORMATS[1]) for _ in range(n)]
     fmts, scale = (kfmt, FORMATS[1]), HEAD_DIM ** -0.5
     return Layers(n, lambda i: decode_attention(q, kps[i], vps[i], table, sl, scale, ctx, fmts), list(zip(kps, vps)))
+
+
+def rule_splits(q, base: Layers, table, sl, ctx) -> int:
+    """The split count decode_attention plans for base's pages (fp4_splits at the kernel's programs per SM)."""
+    kp, vp = base.pages[0]
+    pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers).programs_per_sm()
+    return num_splits_for(q.shape[0], kp.codes.shape[2], ctx, DEV, GLUON_TILE, pps, fp4_rule=True)
+
+
+def split_layers(splits: int, base: Layers, q, table, sl, ctx):
+    """decode_attention on base's pages (the default format) with `splits` splits instead of the planned count."""
+    fmts, scale = FORMATS, HEAD_DIM ** -0.5
+    return Layers(base.n, lambda i: decode_attention(q, *base.pages[i], table, sl, scale, ctx, fmts, num_splits=splits))
 
 
 def ablated_layers(name: str, mod, base: Layers, q, table, sl, ctx):
@@ -182,15 +197,15 @@ def print_table(rows) -> None:
               f"{r['sdpa_per_layer_ms']:.4f} | {r['fp4_single_ms']:.4f} | {r['fp4_per_layer_ms']:.4f} | "
               f"{r['kg8_per_layer_ms']:.4f} | {r['fp4_single_vs_sdpa']:.2f}x | {r['fp4_per_layer_vs_sdpa']:.2f}x | "
               f"{r['kg8_per_layer_vs_sdpa']:.2f}x |")
-    extra = [k[:-len("_per_layer_ms")] for k in (rows[0] if rows else {}) if k.startswith("ablate_")
-             and k.endswith("_per_layer_ms")]
+    extra = sorted({k[:-len("_per_layer_ms")] for r in rows for k in r if k.startswith(("ablate_", "splits_"))
+                    and k.endswith("_per_layer_ms")}, key=lambda e: (e.startswith("splits_"), len(e), e))
     if extra:
         cols = " | ".join(f"{e} per layer ms (vs fp4)" for e in extra)
         print(f"\n| model | ctx | batch | fp4 per layer ms | {cols} |")
         for r in rows:
             print(f"| {r['model']} | {r['ctx'] // 1024}k | {r['batch']} | {r['fp4_per_layer_ms']:.4f} | " + " | ".join(
-                f"{r[f'{e}_per_layer_ms']:.4f} ({r[f'{e}_per_layer_ms'] / r['fp4_per_layer_ms']:.2f})" for e in extra)
-                + " |")
+                f"{r[f'{e}_per_layer_ms']:.4f} ({r[f'{e}_per_layer_ms'] / r['fp4_per_layer_ms']:.2f})"
+                if f"{e}_per_layer_ms" in r else "-" for e in extra) + " |")
     if rows and "fp4_profile" in rows[0]:
         print("\n| model | ctx | batch | variant | per layer us (timed) | span us | busy us | between kernels us | "
               "kernels (us per layer) |")
@@ -214,6 +229,8 @@ def main() -> None:
     ap.add_argument("--budget-gb", type=float, default=90.0, help="device memory for the layers' caches")
     ap.add_argument("--ablate", default="",
                     help="also bench/fp4_ablate.py's variants (e.g. full,fixed,no_merge) on the default pages")
+    ap.add_argument("--splits", default="",
+                    help="also the default format with these split counts (e.g. 16,32,64,128) instead of the plan's")
     ap.add_argument("--profile", action="store_true",
                     help="also each variant's kernels per layer from the profiler (device time, gaps)")
     ap.add_argument("--json", default=None)
@@ -238,8 +255,12 @@ def main() -> None:
                             "kg8": fp4_layers(q, table, sl, nb, hk, ctx, n, KG8)}
                 for name, mod in ablate.items():
                     variants[f"ablate_{name}"] = ablated_layers(name, mod, variants["fp4"], q, table, sl, ctx)
+                planned = rule_splits(q, variants["fp4"], table, sl, ctx)
+                for k in [int(x) for x in args.splits.split(",") if x]:
+                    if k != planned and k <= ctx // GLUON_TILE:  # every split at least one tile
+                        variants[f"splits_{k}"] = split_layers(k, variants["fp4"], q, table, sl, ctx)
                 row = {"model": model, "ctx": ctx, "batch": batch, "layers": n, "sdpa_backend": backend,
-                       **time_row(variants, args.rounds)}
+                       "fp4_planned_splits": planned, **time_row(variants, args.rounds)}
                 if args.profile:
                     for name, lay in variants.items():
                         row[f"{name}_profile"] = kernel_profile(lay)
