@@ -2,6 +2,7 @@
 SDPA bf16 against the fp4 decode (the default format, and key groups of 8), side by side on one GPU.
 
     python3 bench/fp4_layers.py [--contexts 8192,32768] [--batches 1,8,32] [--rounds 3] [--json F]
+        [--budget-gb 90] [--ablate full,fixed,...] [--splits 16,32,...] [--profile]
 
 bench/kernels.py (and issue 19's targets) time ONE attention call per CUDA-graph replay, L2 cleared
 before each: every time carries the timing harness (4.35 us for one tiny kernel, 6.21 us for two, in
@@ -16,15 +17,18 @@ time of layer 0 (bench/kernels.py's method) is timed beside it in the same round
 
 Every row: SDPA bf16 (contiguous K/V, its fastest backend for this shape picked on the single call, the
 same backend for the layered graph), decode_attention on default-format fp4 pages ("fp4") and on
-KG8 pages ("kg8": FP4Config(key_group_size=8, key_outliers=0)). Each variant's layered graph is checked
-against its single call on the last layer (the same output: a graph that ran something else would show).
+KG8 pages ("kg8": FP4Config(key_group_size=8, key_outliers=0)), each variant on caches of its own. The
+layered graph of SDPA, fp4, kg8 and the --splits variants is checked against the last layer's call alone
+(the same output: a graph that ran something else would show; the --ablate variants' outputs are wrong by
+design and write into buffers an eager call already filled, so they are not checked).
 --ablate adds bench/fp4_ablate.py's variants (copies of the kernel with a part taken out, e.g. `fixed`: no
 tile attended; `no_merge`: the decode kernel without the split merge) on the default-format pages, so that
 what a call costs whatever its length is measured per layer too. --splits adds the default format with
 other split counts than decode_attention plans (`fp4_planned_splits`). --profile adds, per variant, what the
 profiler records of three replays of its layered graph: each kernel's device time per layer, their sum,
 and the span from the first kernel's start to the last one's end (the difference is time between
-kernels: launch gaps, dependency waits).
+kernels: launch gaps and dependency waits, and whatever the profiler's own tracing adds; span and sum
+come from the replay with the shortest span, the per-kernel times are the replays' mean).
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ sys.path.insert(0, ROOT)
 
 from app.config import FP4Config  # noqa: E402
 from app.kernels import decode_fp4_gluon  # noqa: E402
-from app.kernels.decode_attention import decode_attention, num_splits_for  # noqa: E402
-from bench.fp4_ab import best_times, save_row  # noqa: E402
+from app.kernels.decode_attention import decode_attention, num_splits_for, split_plan  # noqa: E402
+from bench.fp4_ab import add_case_args, best_times, save_row  # noqa: E402
 from bench.kernels import (BF16_BYTES, DEV, FORMATS, GLUON_TILE, HEAD_DIM, MODELS, best_sdpa,  # noqa: E402
                            random_fp4_pages, run_info, sdpa_decode, shuffled_tables)
 
@@ -52,10 +56,12 @@ MODEL_LAYERS = {"8B": 32, "70B-TP8": 80}
 
 
 def layers_for(model: str, batch: int, ctx: int, budget_bytes: float) -> int:
-    """The model's layer count, or as many layers as fit in budget_bytes with every variant's caches
-    resident (bf16 K+V, default fp4 K+V, KG8 K + shared-format V), at least 1."""
+    """The model's layer count, or as many layers as fit in budget_bytes with the three variants' caches
+    resident together (bf16 K+V, default fp4 K+V, KG8 K+V: each its own pages), at least 1."""
     hk = MODELS[model][1]
-    per_token = BF16_BYTES + 2 * sum(f.bytes_per_vector(HEAD_DIM) for f in FORMATS)
+    fp4 = sum(f.bytes_per_vector(HEAD_DIM) for f in FORMATS)
+    kg8 = KG8.bytes_per_vector(HEAD_DIM) + FORMATS[1].bytes_per_vector(HEAD_DIM)
+    per_token = BF16_BYTES + fp4 + kg8
     per_layer = batch * ctx * hk * per_token
     return max(1, min(MODEL_LAYERS[model], math.floor(budget_bytes / per_layer)))
 
@@ -134,9 +140,11 @@ def graph_output(fn) -> torch.Tensor:
 
 def time_row(variants: dict, rounds: int) -> dict:
     """Each variant's single call (layer 0) and whole layered graph, alternated `rounds` times, best of each;
-    the layered graph's last output against the last layer's call alone."""
+    the layered graph's last output against the last layer's call alone (not for the ablate_ variants)."""
     row = {}
     for name, lay in variants.items():
+        if name.startswith("ablate_"):  # wrong by design, into a Version's own buffer: nothing to compare
+            continue
         alone = lay.call(lay.n - 1).float()
         row[f"{name}_layered_max_abs_diff"] = (graph_output(lay).float() - alone).abs().max().item()
     runs = {}
@@ -156,8 +164,9 @@ def time_row(variants: dict, rounds: int) -> dict:
 
 def kernel_profile(lay: Layers, replays: int = 3) -> dict:
     """Per layer, from the profiler's kernel records of `replays` replays of lay's layered graph (L2 cleared
-    before each, as do_bench does): each kernel's device time (us, by name), their sum ("busy") and the span
-    from the first kernel's start to the last one's end ("span"): span - busy is the time between kernels."""
+    before each, as do_bench does): each kernel's device time (us, by name, the replays' mean), and of the
+    replay with the shortest span from the first kernel's start to the last one's end ("span") that span and
+    its kernels' sum ("busy"): span - busy is the time between kernels (the profiler's tracing included)."""
     from torch.profiler import ProfilerActivity, profile
 
     flush = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
@@ -168,7 +177,7 @@ def kernel_profile(lay: Layers, replays: int = 3) -> dict:
         lay()
     g.replay()
     torch.cuda.synchronize()
-    spans, busy, names = [], [], {}
+    replays_seen, names = [], {}
     for _ in range(replays):
         flush.zero_()
         torch.cuda.synchronize()
@@ -180,12 +189,12 @@ def kernel_profile(lay: Layers, replays: int = 3) -> dict:
             return {"error": "the profiler recorded no kernels of the graph"}
         start = min(e.time_range.start for e in ks)
         end = max(e.time_range.end for e in ks)
-        spans.append(end - start)
-        busy.append(sum(e.time_range.elapsed_us() for e in ks))
+        replays_seen.append((end - start, sum(e.time_range.elapsed_us() for e in ks)))
         for e in ks:
             names[e.name[:80]] = names.get(e.name[:80], 0.0) + e.time_range.elapsed_us() / replays / lay.n
     del g
-    return {"span_us": min(spans) / lay.n, "busy_us": min(busy) / lay.n,
+    span, busy = min(replays_seen)  # the replay with the shortest span, its own sum
+    return {"span_us": span / lay.n, "busy_us": busy / lay.n,
             "kernels_us": dict(sorted(names.items(), key=lambda kv: -kv[1]))}
 
 
@@ -223,9 +232,7 @@ def print_table(rows) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", default="8192,32768")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--rounds", type=int, default=3)
+    add_case_args(ap, rounds=3)
     ap.add_argument("--budget-gb", type=float, default=90.0, help="device memory for the layers' caches")
     ap.add_argument("--ablate", default="",
                     help="also bench/fp4_ablate.py's variants (e.g. full,fixed,no_merge) on the default pages")
@@ -233,13 +240,15 @@ def main() -> None:
                     help="also the default format with these split counts (e.g. 16,32,64,128) instead of the plan's")
     ap.add_argument("--profile", action="store_true",
                     help="also each variant's kernels per layer from the profiler (device time, gaps)")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     results = run_info(rows=[], budget_gb=args.budget_gb, ablate=args.ablate)
     ablate = {}
     if args.ablate:
         from bench.fp4_ablate import VARIANTS, ablated_module
 
+        unknown = sorted(set(args.ablate.split(",")) - set(VARIANTS))
+        if unknown:
+            ap.error(f"--ablate: unknown variants {unknown} (bench/fp4_ablate.py has {sorted(VARIANTS)})")
         tmp = tempfile.mkdtemp()
         ablate = {n: ablated_module(n, VARIANTS[n][0], tmp) for n in args.ablate.split(",")}
     gen = torch.Generator().manual_seed(0)
@@ -256,15 +265,17 @@ def main() -> None:
                 for name, mod in ablate.items():
                     variants[f"ablate_{name}"] = ablated_layers(name, mod, variants["fp4"], q, table, sl, ctx)
                 planned = rule_splits(q, variants["fp4"], table, sl, ctx)
+                launched = {split_plan(ctx, planned, GLUON_TILE)[1]}
                 for k in [int(x) for x in args.splits.split(",") if x]:
-                    if k != planned and k <= ctx // GLUON_TILE:  # every split at least one tile
+                    k = split_plan(ctx, min(k, 256), GLUON_TILE)[1]  # as launched (the merge takes <= 256)
+                    if k not in launched:
+                        launched.add(k)
                         variants[f"splits_{k}"] = split_layers(k, variants["fp4"], q, table, sl, ctx)
                 row = {"model": model, "ctx": ctx, "batch": batch, "layers": n, "sdpa_backend": backend,
                        "fp4_planned_splits": planned, **time_row(variants, args.rounds)}
                 if args.profile:
-                    for name, lay in variants.items():
-                        row[f"{name}_profile"] = kernel_profile(lay)
-                del variants, sdpa
+                    row.update({f"{name}_profile": kernel_profile(lay) for name, lay in variants.items()})
+                del variants, sdpa  # every layer's caches (no other reference holds them)
                 save_row(results, row, args.json)
     print_table(results["rows"])
 

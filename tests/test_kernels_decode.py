@@ -132,8 +132,9 @@ def test_fp4_splits(pairs, seq_len, splits):
 
 
 def test_fp4_layers_plans_the_models_layers_within_the_memory_budget():
-    """bench/fp4_layers.py runs the model's layers (32 / 80) unless every variant's caches (bf16 K+V, default
-    fp4 K+V, KG8 K + V: 512 + 2 x 150 bytes per token and KV head) would exceed the budget, then as many as fit."""
+    """bench/fp4_layers.py runs the model's layers (32 / 80) unless the three variants' caches (bf16 K+V 512,
+    default fp4 K+V 150, KG8 K+V 150 bytes per token and KV head: KG8 keys take the default's 81 bytes)
+    would exceed the budget, then as many as fit."""
     from bench.fp4_layers import layers_for
 
     assert layers_for("8B", 8, 8192, 90e9) == 32

@@ -428,8 +428,9 @@ def test_key_groups_of_8_match_reference_on_gpu(kv_heads, group, num_splits):
 def test_key_groups_of_8_other_builds_on_gpu(monkeypatch, stages, fp16, off64):
     """KG8 with what the reference cases above leave at their defaults: bf16 code maps (fp16=False), the
     8-tile ring, and the int64 offsets that page arrays of 2 GiB or more take (forced on small pages), each
-    against float32 attention, with tile pairs (8 KV heads x 4, one split) and without (seven splits; 1 x 8);
-    every launch's build is checked to be the one asked for."""
+    against float32 attention; on the 4-tile ring 8 KV heads x 4 in one split run tile pairs (Triton 3.6:
+    no KG8 paired build spills there), seven splits and 1 x 8 single tiles, and the 8-tile ring never pairs.
+    Every launch's build, as run() launches it, is checked to be the one asked for."""
     seen = []
 
     class Observed(decode_fp4_gluon.Launch):
@@ -437,7 +438,11 @@ def test_key_groups_of_8_other_builds_on_gpu(monkeypatch, stages, fp16, off64):
             super().__init__(*args, **kwargs)
             if off64:
                 self.constexprs["OFF64"] = True
-            seen.append(self.constexprs)
+
+        def run(self, out, part_o, part_lse, split_size, num_splits):
+            super().run(out, part_o, part_lse, split_size, num_splits)
+            seen.append((self.query.shape[1] // self.pages[0].shape[2], num_splits,
+                         self.constexprs_for(split_size)))
 
     monkeypatch.setattr(decode_fp4_gluon, "Launch", Observed)
     formats = (FP4Format(group_size=8), FP4Format(group_size=32))
@@ -447,12 +452,15 @@ def test_key_groups_of_8_other_builds_on_gpu(monkeypatch, stages, fp16, off64):
         lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
         ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
         for num_splits in (1, 7):
-            out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, gluon=True,
-                                   num_splits=num_splits, num_stages=stages, fp16=fp16)
+            out = torch.full_like(query, float("nan"))
+            decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, gluon=True,
+                             num_splits=num_splits, num_stages=stages, fp16=fp16, out=out)
             assert _worst_rel_err(out, ref) < 1e-2, (kv_heads, group, num_splits)
-    assert len(seen) == 4
-    for c in seen:
+    assert [(g, n) for g, n, _ in seen] == [(4, 1), (4, 7), (8, 1), (8, 7)], seen
+    for group, num_splits, c in seen:
         assert (c["KG8"], c["K_KO"], c["STAGES"], c["F16"], c["OFF64"]) == (True, 0, stages, fp16, off64), c
+        pairs = stages == decode_fp4_gluon.STAGES and group == 4 and num_splits == 1
+        assert (c["PAIR"] > 0) == pairs, (group, num_splits, c["PAIR"])
 
 
 @on_gpu
