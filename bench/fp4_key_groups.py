@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 from app.config import FP4Config  # noqa: E402
 from app.kernels.attention_ref import decode_attention_ref  # noqa: E402
 from app.kernels import decode_fp4_gluon  # noqa: E402
-from bench.fp4_ab import Version, best_times  # noqa: E402
+from bench.fp4_ab import Version, add_case_args, best_times, save_row  # noqa: E402
 from bench.fp4_variants import worst_rel_err  # noqa: E402
 from bench.kernels import (DEV, FORMATS, HEAD_DIM, MODELS, decode_cases, random_fp4_pages, run_info,  # noqa: E402
                            shuffled_tables)
@@ -54,10 +54,7 @@ def errors(vs, q, pages, table, sl) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", default="8192,32768")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", default=None)
+    add_case_args(ap, rounds=3)
     args = ap.parse_args()
     assert KG8.group(HEAD_DIM) == 8 and KG8.bytes_per_vector(HEAD_DIM) == FORMATS[0].bytes_per_vector(HEAD_DIM)
     results = run_info(rows=[], accuracy=[], key_bytes=KG8.bytes_per_vector(HEAD_DIM))
@@ -89,13 +86,8 @@ def main() -> None:
             row[f"{n}_splits"] = vs[n].num_splits
             row[f"{n}_regs"], row[f"{n}_smem"] = vs[n].launch.resources()
             row[f"{n}_pair"] = vs[n].launch.constexprs_for(vs[n].split_size)["PAIR"]
-        results["rows"].append(row)
-        print(json.dumps(row), flush=True)
         del pages, vs
-        torch.cuda.empty_cache()
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        save_row(results, row, args.json)
     print("\n| model | ctx | batch | SDPA bf16 ms | tree ms | tree0 ms | kg8 ms | kg8 vs tree | tree0 vs tree | "
           "kg8 vs SDPA | splits (tree, kg8) | rel err (tree, kg8) |")
     for r in results["rows"]:

@@ -44,14 +44,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from app.config import FP4Config  # noqa: E402
 from app.kernels import decode_fp4_gluon  # noqa: E402
 from app.kernels.decode_attention import decode_attention, num_splits_for, split_plan  # noqa: E402
 from bench.fp4_ab import add_case_args, best_times, save_row  # noqa: E402
+from bench.fp4_key_groups import KG8  # noqa: E402
 from bench.kernels import (BF16_BYTES, DEV, FORMATS, GLUON_TILE, HEAD_DIM, MODELS, best_sdpa,  # noqa: E402
                            random_fp4_pages, run_info, sdpa_decode, shuffled_tables)
 
-KG8 = FP4Config(key_group_size=8, key_outliers=0).formats()[0]
 MODEL_LAYERS = {"8B": 32, "70B-TP8": 80}
 
 
@@ -124,8 +123,8 @@ def ablated_layers(name: str, mod, base: Layers, q, table, sl, ctx):
     return Layers(base.n, lambda i: runs[i]())
 
 
-def graph_output(fn) -> torch.Tensor:
-    """fn's output when replayed from a CUDA graph (a copy)."""
+def captured(fn):
+    """(a CUDA graph of fn, replayed once, and fn's output in the graph's memory), fn run eagerly first."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -133,6 +132,12 @@ def graph_output(fn) -> torch.Tensor:
         out = fn()
     g.replay()
     torch.cuda.synchronize()
+    return g, out
+
+
+def graph_output(fn) -> torch.Tensor:
+    """fn's output when replayed from a CUDA graph (a copy)."""
+    g, out = captured(fn)
     out = out.clone()
     del g
     return out
@@ -170,13 +175,7 @@ def kernel_profile(lay: Layers, replays: int = 3) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     flush = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
-    lay()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        lay()
-    g.replay()
-    torch.cuda.synchronize()
+    g, _ = captured(lay)
     replays_seen, names = [], {}
     for _ in range(replays):
         flush.zero_()

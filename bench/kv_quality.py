@@ -235,12 +235,13 @@ REAL_VARIANTS = ["bf16", "fp8 per-token-head", "fp4 plain", "fp4 +2 out K, V g32
                  "fp4 DEFAULT: +4 out K g32, V g32, search"]
 
 
-def heldout_windows(tokenizer, num_tokens: int, window: int) -> list[list[int]]:
-    """Windows of `window` tokens of CPython's pydoc topics (sorted by name), num_tokens in all."""
+def heldout_windows(tokenizer, num_tokens: int, window: int, from_end: bool = False) -> list[list[int]]:
+    """Windows of `window` tokens of CPython's pydoc topics (sorted by name; from_end: from the last name
+    backwards, text disjoint from the held-out windows for calibration), num_tokens in all."""
     from pydoc_data.topics import topics
 
     ids: list[int] = []
-    for name in sorted(topics):
+    for name in sorted(topics, reverse=from_end):
         ids += tokenizer.encode(topics[name], add_special_tokens=False)
         if len(ids) >= num_tokens:
             break

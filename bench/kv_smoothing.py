@@ -30,20 +30,7 @@ from pathlib import Path
 import torch
 
 from app import LLM, SamplingParams
-from bench.kv_quality import VARIANTS, heldout_scores, log, real_model_llm
-
-
-def calibration_windows(tokenizer, num_tokens: int, window: int) -> list[list[int]]:
-    """Windows of CPython's pydoc topics taken from the end of the sorted names (held-out text comes from
-    the start: heldout_windows)."""
-    from pydoc_data.topics import topics
-
-    ids: list[int] = []
-    for name in sorted(topics, reverse=True):
-        ids += tokenizer.encode(topics[name], add_special_tokens=False)
-        if len(ids) >= num_tokens:
-            break
-    return [ids[i:i + window] for i in range(0, num_tokens - window + 1, window)]
+from bench.kv_quality import VARIANTS, heldout_scores, heldout_windows, log, real_model_llm
 
 
 def key_statistics(llm: LLM, windows: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -102,7 +89,7 @@ def run(kind: str, opts: dict | None, smoothing: str, args) -> dict:
     spread = None
     if smoothing != "none":
         stat, alpha = smoothing.split(":")
-        stats = key_statistics(llm, calibration_windows(llm.tokenizer, args.calibration_tokens, args.window))
+        stats = key_statistics(llm, heldout_windows(llm.tokenizer, args.calibration_tokens, args.window, from_end=True))
         factors = smoothing_factors(stats[stat], float(alpha))
         spread = float(factors.max() / factors.min())
         fold_into_weights(llm.engine.model, factors)

@@ -160,7 +160,6 @@ def test_unsupported_names_the_reason():
 
 
 @needs_gluon
-@needs_gluon
 def test_key_groups_of_8_run_on_the_ring_without_key_slots():
     """Key groups of 8 (16 scale bytes per key vector) build KG8, on the cp.async ring and without key
     outlier slots only: anything else is refused before anything is compiled; the default format's

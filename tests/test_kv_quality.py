@@ -19,14 +19,15 @@ PLAIN_FP4 = dict(key_group_size=16, value_group_size=16, key_outliers=0, value_o
 
 
 @torch.inference_mode()
-def story_logits(llm, story: str) -> torch.Tensor:
-    """[tokens, vocab] logits of one teacher-forced prefill of `story` through the cache (blocks 0, 1, ...)."""
+def story_logits(llm, story: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [tokens], logits [tokens, vocab]) of one teacher-forced prefill of `story` through the cache
+    (blocks 0, 1, ...)."""
     engine = llm.engine
     ids = torch.tensor(llm.tokenizer.encode(story.strip()))
     n = len(ids)
     meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange(-(-n // 16))[None],
                              seq_lens=[n], query_start_loc=[0, n])
-    return engine.model.compute_logits(engine.model(ids, torch.arange(n), engine.kv_cache, meta))
+    return ids, engine.model.compute_logits(engine.model(ids, torch.arange(n), engine.kv_cache, meta))
 
 
 @torch.inference_mode()
@@ -35,8 +36,7 @@ def mean_nll(paths, kv, fp4=None) -> float:
     llm = LLM(model=model, tokenizer=tok, kv_cache_dtype=kv, fp4=fp4 or {})
     total, count = 0.0, 0
     for story in [s for s in EVAL.read_text().split("\n\n") if s.strip()][:6]:
-        ids = torch.tensor(llm.tokenizer.encode(story.strip()))
-        logits = story_logits(llm, story)
+        ids, logits = story_logits(llm, story)
         total += F.cross_entropy(logits[:-1], ids[1:], reduction="sum").item()
         count += len(ids) - 1
     return total / count
@@ -68,7 +68,7 @@ def test_key_smoothing_folded_into_the_weights_leaves_bf16_logits_exact(stories_
     model, tok = stories_paths
     story = [s for s in EVAL.read_text().split("\n\n") if s.strip()][0]
     llm = LLM(model=model, tokenizer=tok, kv_cache_dtype="bf16")
-    before = story_logits(llm, story)
+    _, before = story_logits(llm, story)
     cfg = llm.engine.model.config
     layers, kv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     stat = torch.randint(-4, 5, (layers, kv, d), generator=torch.Generator().manual_seed(0)).float().exp2()
@@ -82,6 +82,6 @@ def test_key_smoothing_folded_into_the_weights_leaves_bf16_logits_exact(stories_
     fold_into_weights(llm.engine.model, factors)
     smoothed_keys = []
     llm.engine.kv_cache.store = lambda layer, key, *a: (smoothed_keys.append(key.clone()), store(layer, key, *a))
-    after = story_logits(llm, story)
+    _, after = story_logits(llm, story)
     assert torch.equal(before, after)
     assert torch.equal(smoothed_keys[0].float(), keys[0].float() / factors[0])  # layer 0's keys, divided exactly
