@@ -13,6 +13,8 @@ medians). Each version's output is compared with the first's (max abs difference
 only moves work around) and with float32 attention over the dequantized pages (worst relative error
 per (sequence, head)). `--fraction F`: the sequences hold F of the context while the splits are
 planned for all of it, as a decode graph runs them (SDPA's column stays the whole context's).
+`--off64`: every version runs its build with 64-bit page offsets (what Launch takes for page arrays
+of 2 GiB or more; forced on the cases' smaller pages, as tests/test_kernels_gluon.py does).
 """
 
 from __future__ import annotations
@@ -88,11 +90,13 @@ class Version:
     and maxnreg as Launch takes them."""
 
     def __init__(self, mod, q, kp, vp, table, sl, scale, ctx, k_outliers: int | None = None,
-                 maxnreg: int | None = None):
+                 maxnreg: int | None = None, off64: bool = False):
         outliers = FORMATS[0].outliers if k_outliers is None else k_outliers
         # maxnreg only when given: a module's own Launch default (e.g. a capped variant's) stays in force
         cap = {} if maxnreg is None else {"maxnreg": maxnreg}
         self.launch = mod.Launch(q, kp, vp, table, sl, scale * LOG2E, outliers, **cap)
+        if off64:  # the build that page arrays of 2 GiB or more take, forced on the case's smaller pages
+            self.launch.constexprs["OFF64"] = True
         tile = mod.W * mod.TW
         ns = num_splits_for(q.shape[0], kp.codes.shape[2], ctx, q.device, tile, self.launch.programs_per_sm(),
                             fp4_rule=True)
@@ -111,6 +115,8 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=1.0,
                     help="sequences this fraction of the context long, splits planned for the whole context "
                          "(as a decode graph plans for max_model_len)")
+    ap.add_argument("--off64", action="store_true",
+                    help="every version runs its int64-offset build (what page arrays of 2 GiB or more take)")
     add_case_args(ap, rounds=2)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
@@ -128,7 +134,7 @@ def main() -> None:
         if args.fraction != 1.0:
             sl = torch.full_like(sl, max(1, int(args.fraction * ctx)))
             row["seq_len"] = int(sl[0])
-        versions = {n: Version(mods[n], q, kp, vp, table, sl, scale, ctx) for n in names}
+        versions = {n: Version(mods[n], q, kp, vp, table, sl, scale, ctx, off64=args.off64) for n in names}
         outs = {n: versions[n]().clone() for n in names}
         for n in names:  # run to run: a race would show here
             row[f"{n}_max_abs_diff_vs_itself"] = (versions[n]().float() - outs[n].float()).abs().max().item()
@@ -140,6 +146,7 @@ def main() -> None:
             row[f"{n}_max_abs_diff_vs_{names[0]}"] = (outs[n].float() - outs[names[0]].float()).abs().max().item()
             row[f"{n}_splits"] = versions[n].num_splits
             row[f"{n}_regs"], row[f"{n}_smem"] = versions[n].launch.resources()
+            row[f"{n}_pair"] = versions[n].launch.constexprs_for(versions[n].split_size)["PAIR"]
         best = best_times(versions, args.rounds)
         for n in names:
             row[f"{n}_ms"] = best[n]

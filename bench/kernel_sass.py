@@ -148,7 +148,8 @@ def main() -> None:
     dense_sig = dict(SIG, **{k: "*bf16" for k in PAGE_SIG})
     gluon_sig = dict(SIG, qt_ptr="*fp32")
     gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, "STAGES": decode_fp4_gluon.STAGES,
-                  "F16": True, "PAIR": None, "KG8": False, **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default
+                  "F16": True, "PAIR": None, "KG8": False, "QVEC": decode_fp4_gluon.QUERY_VECTOR,
+                  **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default
     # PAIR None: the launcher's choice for the shape (tile pairs at <= 4 query heads per KV head with the
     # 4-tile ring: the loop then takes two pairs, 4 tiles, at PAIR_MAXNREG registers)
     # (name, kernel, signature, constexprs, warps, stages, maxnreg, tokens per tile, tiles per loop iteration:
@@ -191,17 +192,26 @@ def main() -> None:
                 res, ops, copies = sass_loop(cubin, bin_dir)
                 regs = re.search(r"REG:(\d+)", res).group(1)
                 stack = re.search(r"STACK:(\d+)", res).group(1)
+                qvec = bool(const.get("QVEC")) and bool(const.get("F16"))
+                if qvec and not decode_fp4_gluon.query_vector_fits(int(regs), int(stack)):
+                    # as Launch does: the query's two-byte loads where its vector loads do not fit
+                    const, qvec = dict(const, QVEC=False), False
+                    cubin = compile_kernel(fn, sig, const, warps, stages, maxnreg, tmp)
+                    res, ops, copies = sass_loop(cubin, bin_dir)
+                    regs = re.search(r"REG:(\d+)", res).group(1)
+                    stack = re.search(r"STACK:(\d+)", res).group(1)
                 counts = collections.Counter(ops)
                 per_token_head = len(ops) * warps / (block_n * tiles)
                 if args.json:
                     print(json.dumps({"model": model, "kernel": name, "triton": triton.__version__, "pair": bool(pair),
+                                      "qvec": qvec,
                                       "regs": int(regs),
                                       "stack": int(stack),
                                       "loop": len(ops), "tiles": tiles, "per_token_head": per_token_head,
                                       "ops": dict(counts), "copies": copies}), flush=True)
                     continue
                 top = ", ".join(f"{op} {n}" for op, n in counts.most_common(8))
-                print(f"{model:8s} {name:42s}{' (pairs)' if pair else ''} regs {regs:>3s} stack {stack:>3s} | loop "
+                print(f"{model:8s} {name:42s}{' (pairs)' if pair else ''}{' (q 2-byte)' if fn.is_gluon() and not qvec else ''} regs {regs:>3s} stack {stack:>3s} | loop "
                       f"{len(ops):5d} / thread ({tiles} tile{'s' if tiles > 1 else ''}), {per_token_head:5.1f} / "
                       f"(token, KV head) | {top}",
                       flush=True)

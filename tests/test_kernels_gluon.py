@@ -359,6 +359,32 @@ def test_a_launch_whose_splits_cannot_pair_runs_the_single_tile_build():
     assert off.constexprs_for(tile) == off.constexprs_for(64 * tile) == off.constexprs
 
 
+@needs_gluon
+def test_the_query_takes_two_byte_loads_where_its_vector_loads_do_not_fit(monkeypatch):
+    """Launch runs the first build the compiler fits: tile pairs with the query's vector loads, pairs with
+    its two-byte loads, single tiles with vector loads, single tiles with two-byte loads. Pairs fit where
+    nothing spills, vector loads where query_vector_fits; bf16 maps always take two-byte loads. The
+    compiler's report (registers, shared memory, spilled bytes) is given per build here."""
+    def settle(report, **kw):
+        monkeypatch.setattr(decode_fp4_gluon.Launch, "_compiled", lambda self: report(self.constexprs))
+        launch = _cpu_launch(**kw)
+        launch.resources()
+        c = launch.constexprs
+        return c["PAIR"] > 0, c["QVEC"], c.get("maxnreg")
+
+    cap = decode_fp4_gluon.PAIR_MAXNREG
+    assert settle(lambda c: (128, 0, 0)) == (True, True, cap)
+    assert settle(lambda c: (128, 0, 8 if c["QVEC"] else 0)) == (True, False, cap)
+    assert settle(lambda c: (128, 0, 8 if c["PAIR"] else 0)) == (False, True, None)
+    assert settle(lambda c: (128, 0, 8) if c["PAIR"] else (148 if c["QVEC"] else 128, 0, 0)) == (False, False, None)
+    assert settle(lambda c: (128, 0, 8) if c["PAIR"] else (148 if c["QVEC"] else 128, 0, 0), maxnreg=96) \
+        == (False, False, 96)  # single tiles keep the caller's cap
+    assert settle(lambda c: (128, 0, 0), fp16=False) == (True, False, cap)
+    assert settle(lambda c: (148 if c["QVEC"] else 128, 0, 0), group=8, kv_heads=1) == (False, False, None)
+    assert settle(lambda c: (126, 0, 0), group=8, kv_heads=1) == (False, True, None)
+    assert not decode_fp4_gluon.query_vector_fits(129, 0) and not decode_fp4_gluon.query_vector_fits(128, 8)
+
+
 def _worst_rel_err(out, ref):
     """The largest relative error over (sequence, query head): one bad split or tile of one long
     sequence shows here, where a norm over the whole batch would average it away."""
@@ -540,6 +566,44 @@ def test_a_short_sequence_gives_the_same_result_in_either_build_on_gpu(monkeypat
     assert torch.equal(both[1:], alone)
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
     assert _worst_rel_err(both, ref) < 1e-2
+
+
+@on_gpu
+@needs_gluon
+@pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 3), (2, 1)])
+def test_the_querys_vector_loads_give_the_two_byte_loads_result_on_gpu(monkeypatch, kv_heads, group):
+    """The query's MMA operand by 16-byte loads (QVEC, padding columns repeating a head of the group
+    instead of zeros) gives bit for bit the output of its two-byte loads: one split and seven, tile
+    pairs and single tiles (sequences below and above PAIR_MIN_TILES whole tiles), the default format
+    with key slots and key groups of 8 without."""
+    built = []
+
+    class Forced(decode_fp4_gluon.Launch):
+        def _settle_pair(self):
+            super()._settle_pair()
+            self.constexprs["QVEC"] = qvec
+            built.append(dict(self.constexprs))
+
+    monkeypatch.setattr(decode_fp4_gluon, "Launch", Forced)
+    seq_lens = [1, 65, 1025, 4099, 20000]
+    for key_outliers, formats in ((4, DEFAULT_FP4), (0, (FP4Format(group_size=8), FP4Format(group_size=32)))):
+        table, kp, vp = cuda_fp4_pages(seq_lens, kv_heads, 16, formats, seed=kv_heads + group)
+        query = torch.randn(len(seq_lens), kv_heads * group, 128, device="cuda").bfloat16()
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        for num_splits in (1, 7):
+            outs = []
+            for qvec in (True, False):
+                out = torch.full_like(query, float("nan"))
+                decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), formats, gluon=True,
+                                 num_splits=num_splits, out=out)
+                assert built[-1]["QVEC"] == qvec
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), (key_outliers, num_splits)
+            ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
+            assert _worst_rel_err(outs[0], ref) < 1e-2
+    assert all(c["F16"] for c in built)
+    if (kv_heads, group) == (8, 4):  # Triton 3.6 pairs these (no spill): the sequences below PAIR_MIN_TILES
+        assert all(c["PAIR"] for c in built)  # whole tiles take the paired build's single-tile branch
 
 
 @on_gpu

@@ -401,6 +401,16 @@ if AVAILABLE:
         return s
 
     @gluon.jit
+    def _query_scale(qv):
+        """The power of two F that brings the query's largest element to [2^13, 2^14) in fp16: no overflow,
+        nothing below fp16's normal range but elements 2^-27 of the largest. The largest comes from the
+        [D, heads] load qv (a thread's 8 values, shuffles within a warp, one exchange across warps), not from
+        the B operand, where every warp holds the whole query and would reduce all of it (~200 shuffles)."""
+        amax = gl.max(gl.max(gl.abs(qv), 1), 0)
+        return (gl.minimum(gl.maximum(267 - (amax.to(gl.int32, bitcast=True) >> 23), 1), 254) << 23).to(
+            gl.float32, bitcast=True)  # 2^(13 - floor(log2 amax))
+
+    @gluon.jit
     def _pow2_scale(e):
         """paged.pow2_scale in Gluon (which cannot call Triton's jit functions): second-level exponent
         bits -> 2^(scale_exp - 127 + 8), the factor the unpacked tiles leave out."""
@@ -1014,7 +1024,7 @@ if AVAILABLE:
         TW: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
         K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, COPY_ROW: gl.constexpr, COPY_ROW2: gl.constexpr,
         S_ROW2: gl.constexpr, V_SCALE2: gl.constexpr, OFF64: gl.constexpr, STAGES: gl.constexpr,
-        F16: gl.constexpr, PAIR: gl.constexpr, KG8: gl.constexpr,
+        F16: gl.constexpr, PAIR: gl.constexpr, KG8: gl.constexpr, QVEC: gl.constexpr,
     ):
         D: gl.constexpr = 128
         WN: gl.constexpr = 4
@@ -1122,36 +1132,55 @@ if AVAILABLE:
         if K_KO > 0:
             gl.store(qt_base + dq * GROUP + nq2, qv * sm_scale_log2, mask=qm)
             _barrier()
-        # Q^T [WN, 128, NH] as the B operand, k permuted as _unpack_k's: dim = 32 t + 4 j + 2 x + hh
-        kq = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
-        nq = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_OP)))
-        dim_k = 32 * ((kq >> 1) & 3) + 4 * (kq >> 4) + 2 * (kq & 1) + ((kq >> 3) & 1)
-        if PAIR > 0:  # tile pairs: the query in both column halves (head c in columns c and c + 4)
-            q_head = nq % 4
-            q_cols = (q_head < GROUP) & ((nq < 4) | use_pair)
+        # Q^T [WN, 128, NH] as the B operand (every warp the whole query), k permuted as _unpack_k's:
+        # dim = 32 t + 4 j + 2 x + hh for k = 16 j + 8 hh + 2 t + x. Tile pairs: the query in both column
+        # halves (head c in columns c and c + 4). fp16 maps: the query in fp16 (11 significant bits, bf16's 8
+        # exact) times _query_scale's power of two F; the keys come out as value x 2^-6 x scale and
+        # _pow2_scale leaves 2^8 out, hence k_factor's 2^(6 - 8) / F.
+        if PAIR > 0:
+            QC: gl.constexpr = 4
         else:
-            q_head = nq
-            q_cols = nq < GROUP
-        q_off = gl.expand_dims(gl.expand_dims(dim_k, 0), 2) + gl.expand_dims(gl.expand_dims(q_head * stride_q_head, 0), 1)
-        q_mask = gl.expand_dims(gl.expand_dims(q_cols, 0), 1)
-        wq = gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_OP)))
-        q_off = q_off + gl.expand_dims(gl.expand_dims(wq * 0, 1), 2)
-        qf = gl.load(q_base + q_off, mask=q_mask & (q_off >= 0), other=0.0)
-        if F16:
-            # fp16 (11 significant bits, bf16's 8 exact) with a power of two F that brings the largest
-            # element to [2^13, 2^14): no overflow, nothing below fp16's normal range but elements 2^-27 of
-            # the largest. The largest comes from the [D, heads] load (a thread's 8 values, shuffles within
-            # a warp, one exchange across warps), not from the B operand, where every warp holds the whole
-            # query and reduced all of it (~200 shuffles).
-            amax = gl.max(gl.max(gl.abs(qv), 1), 0)
-            f = (gl.minimum(gl.maximum(267 - (amax.to(gl.int32, bitcast=True) >> 23), 1), 254) << 23).to(
-                gl.float32, bitcast=True)  # 2^(13 - floor(log2 amax))
-            qt = (qf.to(gl.float32) * f).to(gl.float16)
-            # the keys come out as value x 2^-6 x scale, _pow2_scale leaves 2^8 out: 2^(6 - 8) / F
+            QC: gl.constexpr = NH
+        if F16 and QVEC:
+            # Lane 4 g + t holds dimensions 32 t .. 32 t + 31 of column g: 64 contiguous bytes, loaded as
+            # four 16-byte loads and put in k order by a reshape and permute that move no data between
+            # threads (QUERY_VECTOR below). No mask: a padding column repeats a head of the group (columns
+            # are independent throughout: scores, softmax state, output, which is stored for real heads only).
+            QV: gl.constexpr = gl.BlockedLayout([1, 1, 32], [1, NH, 4], [WN, 1, 1], [2, 1, 0])  # [WN, NH, D]
+            nv = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(2, QV)))
+            dv = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, QV)))
+            wv = gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, QV)))
+            q_off = (gl.expand_dims(gl.expand_dims(wv * 0, 1), 2) + gl.expand_dims(gl.expand_dims(dv, 0), 1)
+                     + gl.expand_dims(gl.expand_dims(gl.minimum(nv % QC, GROUP - 1) * stride_q_head, 0), 2))
+            f = _query_scale(qv)
+            qf = gl.load(q_base + q_off)
+            qf = gl.reshape((qf.to(gl.float32) * f).to(gl.float16), [WN, NH, 4, 8, 2, 2])  # [w, g, t, j, x, hh]
+            qf = gl.reshape(gl.permute(qf, [0, 3, 5, 2, 4, 1]), [WN, D, NH])  # [w, j, hh, t, x, g] = [w, k, g]
+            qt = gl.convert_layout(qf, B_OP, assert_trivial=True)
             k_factor = sm_scale_log2 * 0.25 / f
         else:
-            qt = qf.to(gl.bfloat16)
-            k_factor = sm_scale_log2
+            # two-byte loads in the operand's own layout: with bf16 maps (the loads above took 164-168
+            # registers there, Triton 3.6) and where Launch found the build above over 128 registers
+            kq = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
+            nq = gl.arange(0, NH, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_OP)))
+            dim_k = 32 * ((kq >> 1) & 3) + 4 * (kq >> 4) + 2 * (kq & 1) + ((kq >> 3) & 1)
+            q_head = nq % QC
+            if PAIR > 0:
+                q_cols = (q_head < GROUP) & ((nq < 4) | use_pair)
+            else:
+                q_cols = q_head < GROUP
+            q_off = gl.expand_dims(gl.expand_dims(dim_k, 0), 2) + gl.expand_dims(gl.expand_dims(q_head * stride_q_head, 0), 1)
+            q_mask = gl.expand_dims(gl.expand_dims(q_cols, 0), 1)
+            wq = gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, B_OP)))
+            q_off = q_off + gl.expand_dims(gl.expand_dims(wq * 0, 1), 2)
+            qf = gl.load(q_base + q_off, mask=q_mask & (q_off >= 0), other=0.0)
+            if F16:
+                f = _query_scale(qv)
+                qt = (qf.to(gl.float32) * f).to(gl.float16)
+                k_factor = sm_scale_log2 * 0.25 / f
+            else:
+                qt = qf.to(gl.bfloat16)
+                k_factor = sm_scale_log2
 
         m_i = gl.full([WN, NH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
         l_i = gl.zeros([WN, TW, NH], gl.float32, layout=MMA)  # per-thread partial sums, reduced at the end
@@ -1314,7 +1343,7 @@ class Launch:
         self._single_maxnreg = maxnreg  # the cap without pairs
         if pair and maxnreg is None:
             maxnreg = PAIR_MAXNREG
-        self._pair_settled = not pair
+        self._pair_settled = False
         kg8 = _key_groups_of_8(k_pages)  # unsupported() allows them without key slots, on the ring
         if kg8 and stages == 0:
             raise ValueError("key groups of 8 run on the cp.async ring only (num_stages > 0)")
@@ -1324,7 +1353,7 @@ class Launch:
             H=num_kv_heads, GROUP=group, BS=bs, K_KO=k_outliers, TW=TW, KG8=kg8,
             OFF64=max(k_pages.codes.numel(), v_pages.codes.numel()) >= 2 ** 31, **_layouts_cached(),
             STAGES=stages, F16=F16_DEFAULT if fp16 is None else fp16,
-            PAIR=pair,
+            PAIR=pair, QVEC=QUERY_VECTOR,
             num_warps=W, **({"maxnreg": maxnreg} if maxnreg else {}))
 
     def _key(self) -> tuple:
@@ -1345,16 +1374,27 @@ class Launch:
         return _RESOURCES[key]
 
     def _settle_pair(self) -> None:
-        """Tile pairs only where the compiler fits them in PAIR_MAXNREG registers: with a Triton whose
-        paired kernel spills (3.9 spills 56-64 bytes per thread; 3.6, measured on the H200, none at the default
-        PAIR, 128 bytes with pair=1 and bf16 maps), single tiles.
-        Compiles the paired kernel once per configuration, on the first launch or resources() call; the
-        check reads the split build (SPLIT=True), whose loop is the one-split build's."""
-        if not self._pair_settled:
-            self._pair_settled = True
-            if self._compiled()[2] > 0:
-                self.constexprs = {k: v for k, v in self.constexprs.items() if k != "maxnreg"}
-                self.constexprs.update(PAIR=0, **({"maxnreg": self._single_maxnreg} if self._single_maxnreg else {}))
+        """The build to run, the first of these that the compiler fits: tile pairs with the query's
+        vector loads (QVEC), tile pairs with its two-byte loads, single tiles with vector loads, single
+        tiles with two-byte loads. Tile pairs fit where they spill nothing at PAIR_MAXNREG registers (Triton 3.9
+        spills 56-64 bytes per thread; 3.6, measured on the H200, none at the default PAIR, 128 bytes with pair=1
+        and bf16 maps); vector loads where query_vector_fits (bf16 maps always load the query two bytes at a
+        time). Compiles each candidate once per configuration, on the first launch or resources() call; the
+        checks read the split build (SPLIT=True), whose loop is the one-split build's."""
+        if self._pair_settled:
+            return
+        self._pair_settled = True
+        pair, single = self.constexprs["PAIR"], {k: v for k, v in self.constexprs.items() if k != "maxnreg"}
+        if self._single_maxnreg:
+            single["maxnreg"] = self._single_maxnreg
+        vec = self.constexprs["QVEC"] and self.constexprs["F16"]
+        builds = [dict(self.constexprs, QVEC=q) for q in ((True, False) if vec else (False,)) if pair]
+        builds += [dict(single, PAIR=0, QVEC=q) for q in ((True, False) if vec else (False,))]
+        for build in builds:
+            self.constexprs = build
+            n_regs, _, n_spills = self._compiled()
+            if (not build["PAIR"] or n_spills == 0) and (not build["QVEC"] or query_vector_fits(n_regs, n_spills)):
+                return
 
     def resources(self) -> tuple[int, int]:
         """(registers per thread, shared memory bytes per program) of this launch's kernel, compiled
@@ -1427,6 +1467,18 @@ PAIR_MIN_TILES = 16
 # kernel) Triton 3.6 spills nothing at the default PAIR (128 bytes with pair=1 and bf16 maps), 3.9 spills 56-64
 # bytes per thread (bench/kernel_sass.py), and Launch then runs single tiles (_settle_pair).
 PAIR_MAXNREG = 128
+# The query's MMA operand by four 16-byte loads per thread (QVEC) instead of 32 two-byte loads: on the H200
+# (Triton 3.6) 1.04-1.06x at 70B-TP8 shapes, 1.02-1.03x at batch 1 and 8B 8k batch 8, 1.00x at 8B from
+# batch 8, outputs bit-equal (bench/RESULTS.md, issue 19's twenty-first step). Where a build with them
+# takes more than 128 registers or spills (Triton 3.9: key groups of 8 at 70B-TP8 shapes 148 registers,
+# 8B single tiles 8 bytes; 3.6: no build the engine runs by default), Launch takes the two-byte loads.
+QUERY_VECTOR = True
+
+
+def query_vector_fits(n_regs: int, n_spills: int) -> bool:
+    """Whether a build with the query's vector loads keeps 4 programs per SM (at most 128 registers,
+    nothing spilled); Launch falls back to the two-byte loads otherwise."""
+    return n_regs <= 128 and n_spills == 0
 
 
 _PROGRAMS_PER_SM: dict = {}
