@@ -10,7 +10,10 @@ warps / tokens per loop iteration (tiles per iteration x tokens per tile), the f
 against the ~36 warp instructions per (token, KV head) that streaming fp4's 150 bytes at the copy
 rate leaves (4 issue slots per cycle per SM, bench/RESULTS.md). Compile with the Triton the GPU
 machine runs (3.6 there: pip install --target DIR triton==3.6.0, then --triton-path DIR); other
-versions give other code.
+versions give other code. A Gluon build's query loads are chosen as Launch chooses them for that build:
+16-byte loads where it fits in 128 registers without spilling, else two-byte loads ("q 2-byte" in the
+table, "qvec": false in --json). The build itself is the one named (a paired build that spills is listed,
+where Launch would run single tiles).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import sys
 
 import pytest
 import torch
+import triton
 
 from app.kernels import decode_fp4_gluon, paged
 from app.kernels.attention_ref import decode_attention_ref
@@ -602,8 +603,10 @@ def test_the_querys_vector_loads_give_the_two_byte_loads_result_on_gpu(monkeypat
             ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
             assert _worst_rel_err(outs[0], ref) < 1e-2
     assert all(c["F16"] for c in built)
-    if (kv_heads, group) == (8, 4):  # Triton 3.6 pairs these (no spill): the sequences below PAIR_MIN_TILES
-        assert all(c["PAIR"] for c in built)  # whole tiles take the paired build's single-tile branch
+    if (kv_heads, group) == (8, 4) and triton.__version__.startswith("3.6."):
+        # Triton 3.6 pairs these (no spill; 3.9's paired kernel spills, so single tiles): the sequences
+        # below PAIR_MIN_TILES whole tiles take the paired build's single-tile branch
+        assert all(c["PAIR"] for c in built)
 
 
 @on_gpu

@@ -1431,6 +1431,9 @@ class Launch:
         pair = self.constexprs["PAIR"]
         if not pair or split_size // (W * TW) >= pair:
             return self.constexprs
+        # The query's loads (QVEC) are the paired build's, not checked again for this one: on Triton 3.6 it
+        # fits with vector loads wherever the paired build does (128 / 127 registers, no spill: default,
+        # key groups of 8, 64-bit offsets; compiled with bench/kernel_sass.py's compiler).
         return dict(self.constexprs, PAIR=0)
 
     def run(self, out, part_o, part_lse, split_size: int, num_splits: int) -> None:
@@ -1468,10 +1471,11 @@ PAIR_MIN_TILES = 16
 # bytes per thread (bench/kernel_sass.py), and Launch then runs single tiles (_settle_pair).
 PAIR_MAXNREG = 128
 # The query's MMA operand by four 16-byte loads per thread (QVEC) instead of 32 two-byte loads: on the H200
-# (Triton 3.6) 1.04-1.06x at 70B-TP8 shapes, 1.02-1.03x at batch 1 and 8B 8k batch 8, 1.00x at 8B from
-# batch 8, outputs bit-equal (bench/RESULTS.md, issue 19's twenty-first step). Where a build with them
-# takes more than 128 registers or spills (Triton 3.9: key groups of 8 at 70B-TP8 shapes 148 registers,
-# 8B single tiles 8 bytes; 3.6: no build the engine runs by default), Launch takes the two-byte loads.
+# (Triton 3.6) 1.04-1.07x at 70B-TP8 shapes, 1.02-1.03x at batch 1 and 8B 8k batch 8, 0.99-1.01x at 8B
+# from 8k batch 32 and 32k batch 8, outputs bit-equal (bench/RESULTS.md, issue 19's twenty-first step).
+# Where a build with them takes more than 128 registers or spills, Launch takes the two-byte loads: Triton
+# 3.9, key groups of 8 at 70B-TP8 shapes (148 registers) and 8B single tiles (8 bytes); Triton 3.6, no
+# default build, but the 8B pairs with key groups of 8 and 64-bit offsets (8 bytes).
 QUERY_VECTOR = True
 
 
