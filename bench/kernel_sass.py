@@ -191,18 +191,16 @@ def main() -> None:
                     pair = const["PAIR"]
                     if pair:
                         maxnreg, tiles = decode_fp4_gluon.PAIR_MAXNREG, 4
-                cubin = compile_kernel(fn, sig, const, warps, stages, maxnreg, tmp)
-                res, ops, copies = sass_loop(cubin, bin_dir)
-                regs = re.search(r"REG:(\d+)", res).group(1)
-                stack = re.search(r"STACK:(\d+)", res).group(1)
+                def build(const):
+                    res, ops, copies = sass_loop(compile_kernel(fn, sig, const, warps, stages, maxnreg, tmp), bin_dir)
+                    return ops, copies, re.search(r"REG:(\d+)", res).group(1), re.search(r"STACK:(\d+)", res).group(1)
+
+                ops, copies, regs, stack = build(const)
                 qvec = bool(const.get("QVEC")) and bool(const.get("F16"))
                 if qvec and not decode_fp4_gluon.query_vector_fits(int(regs), int(stack)):
                     # as Launch does: the query's two-byte loads where its vector loads do not fit
-                    const, qvec = dict(const, QVEC=False), False
-                    cubin = compile_kernel(fn, sig, const, warps, stages, maxnreg, tmp)
-                    res, ops, copies = sass_loop(cubin, bin_dir)
-                    regs = re.search(r"REG:(\d+)", res).group(1)
-                    stack = re.search(r"STACK:(\d+)", res).group(1)
+                    qvec = False
+                    ops, copies, regs, stack = build(dict(const, QVEC=False))
                 counts = collections.Counter(ops)
                 per_token_head = len(ops) * warps / (block_n * tiles)
                 if args.json:

@@ -1157,7 +1157,6 @@ if AVAILABLE:
             qf = gl.reshape((qf.to(gl.float32) * f).to(gl.float16), [WN, NH, 4, 8, 2, 2])  # [w, g, t, j, x, hh]
             qf = gl.reshape(gl.permute(qf, [0, 3, 5, 2, 4, 1]), [WN, D, NH])  # [w, j, hh, t, x, g] = [w, k, g]
             qt = gl.convert_layout(qf, B_OP, assert_trivial=True)
-            k_factor = sm_scale_log2 * 0.25 / f
         else:
             # two-byte loads in the operand's own layout: with bf16 maps (the loads above took 164-168
             # registers there, Triton 3.6) and where Launch found the build above over 128 registers
@@ -1177,10 +1176,12 @@ if AVAILABLE:
             if F16:
                 f = _query_scale(qv)
                 qt = (qf.to(gl.float32) * f).to(gl.float16)
-                k_factor = sm_scale_log2 * 0.25 / f
             else:
                 qt = qf.to(gl.bfloat16)
-                k_factor = sm_scale_log2
+        if F16:
+            k_factor = sm_scale_log2 * 0.25 / f
+        else:
+            k_factor = sm_scale_log2
 
         m_i = gl.full([WN, NH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
         l_i = gl.zeros([WN, TW, NH], gl.float32, layout=MMA)  # per-thread partial sums, reduced at the end
@@ -1387,9 +1388,9 @@ class Launch:
         pair, single = self.constexprs["PAIR"], {k: v for k, v in self.constexprs.items() if k != "maxnreg"}
         if self._single_maxnreg:
             single["maxnreg"] = self._single_maxnreg
-        vec = self.constexprs["QVEC"] and self.constexprs["F16"]
-        builds = [dict(self.constexprs, QVEC=q) for q in ((True, False) if vec else (False,)) if pair]
-        builds += [dict(single, PAIR=0, QVEC=q) for q in ((True, False) if vec else (False,))]
+        loads = (True, False) if self.constexprs["QVEC"] and self.constexprs["F16"] else (False,)
+        builds = [dict(self.constexprs, QVEC=q) for q in loads] if pair else []
+        builds += [dict(single, PAIR=0, QVEC=q) for q in loads]
         for build in builds:
             self.constexprs = build
             n_regs, _, n_spills = self._compiled()
