@@ -2,7 +2,8 @@
 
 The same steps go through two caches, one with use_kernels forced on (Triton interpreted on CPU),
 one with it off: a ragged prefill, a step of decodes (split-KV decode kernel) and a mixed step
-(prefill kernel). Stored pages agree (up to outlier ties), and attention over the same pages agrees
+(its decodes through the decode kernel, its chunks through the prefill kernel over a dense scratch
+for quantized pages). Stored pages agree (up to outlier ties), and attention over the same pages agrees
 to float32 rounding: both paths read the pages' exact values and keep float32 through the PV product.
 """
 
@@ -46,13 +47,17 @@ def test_kernel_path_matches_torch_path(kv, formats):
         # rounding before the bf16 output
         kernel_cache = create_kv_cache(kv, SPEC, 16, "cpu", formats)
         kernel_cache.use_kernels = True
+        kernel_cache.scratch_tokens = 2 * SPEC.block_size  # the prefill chunks go in several scratch groups
         if kv == "bf16":
             kernel_cache.k_cache, kernel_cache.v_cache = caches[1].k_cache, caches[1].v_cache
         else:
             kernel_cache.pages = caches[1].pages
         got = kernel_cache.attention(1, q, meta, SPEC.head_dim ** -0.5)
         want = caches[1].attention(1, q, meta, SPEC.head_dim ** -0.5)
-        assert rel_err(got, want) < 2e-4
+        # fp8 prefill chunks read a scratch that rounds each e4m3 value x its float32 scale to bf16
+        # (2^-9 relative, against the format's own 2^-4); fp4's codes x power-of-two scales are bf16
+        # numbers, so its scratch is exact
+        assert rel_err(got, want) < (1e-2 if kv == "fp8" and max(new) > 1 else 2e-4)
         computed = [c + n for c, n in zip(computed, new)]
 
 

@@ -23,6 +23,7 @@ import torch
 from app.config import FP4Config
 from app.engine.attention import AttentionMetadata
 from app.engine.kv_cache_manager import cdiv
+from app.engine.prefill_plan import SCRATCH_TOKENS
 from app.kernels import fp4, fp8
 from app.kernels.attention_ref import causal_attention_ref, decode_attention_ref
 
@@ -55,6 +56,10 @@ class KVCache(ABC):
         # Cascade decoding on the CPU (see _shared_prefixes); 0 turns it off.
         self.cascade_min_tokens = CASCADE_MIN_TOKENS
         self._cascade_step: tuple[AttentionMetadata, list] | None = None  # (the step's metadata, its groups)
+        # GPU prefill over quantized pages (app/engine/prefill_plan.py): the step's plan and the scratch
+        self.scratch_tokens = SCRATCH_TOKENS
+        self._prefill_step: tuple | None = None  # (the step's metadata, its PrefillPlan)
+        self._scratch_pages: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def kernels_enabled(self) -> bool:
         """The one place that picks the path: Triton kernels on CUDA when they support this cache's
@@ -158,16 +163,66 @@ class KVCache(ABC):
         return self.read_blocks(layer, block_ids)
 
     def _attend_kernels(self, layer, query, meta, scale) -> torch.Tensor:
-        """A step of decodes only runs split-KV flash-decoding; any other step the prefill kernel."""
+        """A step of decodes only runs split-KV flash-decoding. Any other step runs the plan of
+        app/engine/prefill_plan.py: its one-token rows through the decode kernel, its prefill chunks
+        through the prefill kernel, over the pages themselves (dense) or over a dense scratch into
+        which their blocks are dequantized once per layer (fp8, fp4)."""
+        from app.kernels import paged
         from app.kernels.decode_attention import decode_attention
+        from app.kernels.dequantize_blocks import dequantize_blocks
         from app.kernels.prefill_attention import prefill_attention
 
         k_pages, v_pages = self.layer_pages(layer)
+        formats = self.kernel_formats
         if meta.max_query_len == 1:  # a decode-only step
             return decode_attention(query, k_pages, v_pages, meta.block_tables, meta.seq_lens_tensor, scale,
-                                    meta.max_seq_len, self.kernel_formats)
-        return prefill_attention(query, k_pages, v_pages, meta.block_tables, meta.seq_lens_tensor,
-                                 meta.query_start_loc_tensor, scale, self.kernel_formats)
+                                    meta.max_seq_len, formats)
+        dense = paged.page_kind(k_pages) == paged.DENSE
+        plan = self._prefill_plan(meta, not dense, query.device)
+        out = torch.empty_like(query)
+        dec = plan.decodes
+        if dec is not None:
+            o = decode_attention(query.index_select(0, dec.rows), k_pages, v_pages,
+                                 meta.block_tables.index_select(0, dec.seqs),
+                                 meta.seq_lens_tensor.index_select(0, dec.seqs), scale, dec.max_seq_len, formats)
+            out.index_copy_(0, dec.rows, o)
+        seq_lens, qsl = meta.seq_lens_tensor, meta.query_start_loc_tensor
+        if dense:
+            return prefill_attention(query, k_pages, v_pages, meta.block_tables, seq_lens, qsl, scale, formats,
+                                     out=out, skip_decodes=dec is not None)
+        for g in plan.groups:
+            sk, sv = self._scratch(g.num_blocks, query.dtype)
+            tables = meta.block_tables[g.first:g.end]
+            dequantize_blocks(k_pages, formats[0], tables, g.prog_seq, g.prog_blk, g.seq_off, sk)
+            dequantize_blocks(v_pages, formats[1], tables, g.prog_seq, g.prog_blk, g.seq_off, sv)
+            prefill_attention(query, sk, sv, g.tables, seq_lens[g.first:g.end], qsl[g.first:g.end + 1], scale,
+                              out=out, skip_decodes=True, num_rows=g.row_end - g.row_start)
+        return out
+
+    def _prefill_plan(self, meta, quantized: bool, device):
+        """The step's PrefillPlan, built on the first layer's call and reused by the others."""
+        from app.engine.prefill_plan import plan_prefill
+
+        cached = self._prefill_step
+        if cached is not None and cached[0] is meta:
+            return cached[1]
+        plan = plan_prefill(meta.seq_lens, meta.query_start_loc, self.spec.block_size, quantized,
+                            cdiv(self.scratch_tokens, self.spec.block_size), device)
+        self._prefill_step = (meta, plan)
+        return plan
+
+    def _scratch(self, num_blocks: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K and V scratch pages of at least num_blocks blocks (allocated on first use, grown to
+        the largest need, never shrunk): [blocks, block_size, num_kv_heads, head_dim] each."""
+        have = self._scratch_pages
+        if have is None or have[0].shape[0] < num_blocks or have[0].dtype != dtype:
+            have = self._scratch_pages = None  # the old pair is freed before the larger one is allocated
+            s = self.spec
+            shape = (max(num_blocks, cdiv(self.scratch_tokens, s.block_size)), s.block_size, s.num_kv_heads,
+                     s.head_dim)
+            self._scratch_pages = have = (torch.empty(shape, dtype=dtype, device=self.device),
+                                          torch.empty(shape, dtype=dtype, device=self.device))
+        return have
 
     def _shared_prefixes(self, meta, rows: list[int], seq_lens: list[int]) -> list[tuple[list[int], int]]:
         """Groups of decoding sequences whose block tables start with the same full blocks (prefix-

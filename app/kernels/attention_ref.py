@@ -91,3 +91,11 @@ def prefill_attention_ref(
         v = v_all[blocks].flatten(0, 1)[:n]
         out[qsl[i] : qsl[i + 1]] = causal_attention_ref(query[qsl[i] : qsl[i + 1]], k, v, scale)
     return out
+
+
+def dequantize_blocks_ref(pages, fmt, block_tables, prog_seq, prog_blk, seq_off, out) -> torch.Tensor:
+    """dequantize_blocks (app/kernels/dequantize_blocks.py) in torch: the listed blocks, float32 values
+    rounded once to out's dtype."""
+    src = block_tables[prog_seq.long(), prog_blk.long()].long()
+    out[(seq_off[prog_seq.long()] + prog_blk).long()] = dequantize_pages(pages, fmt)[src].to(out.dtype)
+    return out

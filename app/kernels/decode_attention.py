@@ -35,6 +35,10 @@ from app.kernels import decode_fp4_gluon, paged
 from app.kernels.fp4 import FP4Format
 
 LOG2E = 1.4426950408889634
+# Triton compiles a variant per value class of an int argument (1, a multiple of 16, other): the split
+# plan changes with every mixed step's decode batch, so these stay unspecialized (one compile, done at
+# start-up) instead of compiling again in the middle of serving.
+SPLIT_ARGS = ("split_size", "num_splits")
 MIN_SPLIT_TOKENS = 256  # fewer tokens per split than this and the merge costs more than it gains
 # The fp4 kernels' splits are at least the longest of these that still leaves a program for half the
 # SMs: their programs' fixed costs (ring fill, the tile pipeline's latency) make 4-tile splits slower
@@ -72,7 +76,7 @@ def _program_split(seq_lens_ptr, split_size, num_splits, BLOCK_N: tl.constexpr):
     return h, b, sp, start, tl.minimum(seq_len, start + split)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SPLIT_ARGS)
 def _decode_kernel(
     q_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     k0, k1, k2, k3, k4, v0, v1, v2, v3, v4,
@@ -121,7 +125,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SPLIT_ARGS)
 def _decode_fp4_kernel(
     q_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     k0, k1, k2, k3, k4, v0, v1, v2, v3, v4,
@@ -235,7 +239,7 @@ def _fp4_value_outliers(w_even, w_odd, p_val, p_idx, rows, mask, e, KO: tl.const
     return w_even.to(tl.float32) + add_even, w_odd.to(tl.float32) + add_odd
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits, D: tl.constexpr, SPLITS: tl.constexpr,
                   BLOCK_D: tl.constexpr):
     """out[row, d-block] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), one program per (sequence

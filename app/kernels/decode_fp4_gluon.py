@@ -1014,7 +1014,7 @@ if AVAILABLE:
         _wait_group(0)
         return m_i, l_i, acc
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=("split_size", "num_splits"))  # as decode_attention.SPLIT_ARGS
     def _decode_fp4_gluon_kernel(
         q_ptr, qt_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         k0, k1, k2, k3, k4, v0, v1, v2,

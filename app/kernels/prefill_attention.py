@@ -29,7 +29,7 @@ from app.kernels.decode_attention import LOG2E
 from app.kernels.fp4 import FP4Format
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_seqs", "stride_bt"))  # they change every step: one compile
 def _prefill_kernel(
     q_ptr, out_ptr,
     k0, k1, k2, k3, k4, v0, v1, v2, v3, v4,
@@ -39,22 +39,26 @@ def _prefill_kernel(
     K_KIND: tl.constexpr, K_G: tl.constexpr, K_KO: tl.constexpr,
     V_KIND: tl.constexpr, V_G: tl.constexpr, V_KO: tl.constexpr,
     DT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PRECISE: tl.constexpr, ASM: tl.constexpr,
+    SKIP_DECODES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    # the sequence: the last i with query_start_loc[i] // BLOCK_Q + i <= pid
+    # the sequence: the last i with (query_start_loc[i] - query_start_loc[0]) // BLOCK_Q + i <= pid
+    base = tl.load(query_start_loc_ptr)
     lo = 0
     hi = num_seqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        first = (tl.load(query_start_loc_ptr + mid) - base) // BLOCK_Q + mid
         lo = tl.where(first <= pid, mid, lo)
         hi = tl.where(first <= pid, hi, mid)
     q_start = tl.load(query_start_loc_ptr + lo)
     q_len = tl.load(query_start_loc_ptr + lo + 1) - q_start
-    qb = pid - (q_start // BLOCK_Q + lo)
+    qb = pid - ((q_start - base) // BLOCK_Q + lo)
     if qb * BLOCK_Q >= q_len:
         return
+    if SKIP_DECODES and q_len == 1:
+        return  # the caller runs the decode kernel on these rows
     seq_len = tl.load(seq_lens_ptr + lo)
     ctx = seq_len - q_len
     BLOCK_M: tl.constexpr = BLOCK_Q * GP
@@ -97,15 +101,23 @@ def prefill_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32 on the device: cu_seqlens of the new tokens
     scale: float,
     formats: tuple[FP4Format | None, FP4Format | None] = (None, None),
-    block_m: int = 64,
-    block_n: int = 64,
+    block_m: int = 128,
+    block_n: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
     precise_pv: bool = False,
     asm: bool | None = None,
     out: torch.Tensor | None = None,
+    skip_decodes: bool = False,
+    num_rows: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] query dtype
-    num_tokens, num_heads, head_dim = query.shape
+    """Launcher. The sequences may be a slice of a step's: query_start_loc then holds absolute rows
+    of query (query_start_loc[0] > 0 allowed) and only rows query_start_loc[0]:query_start_loc[-1]
+    are written, num_rows of them (a host int; None: all of query). skip_decodes: sequences with one
+    new token are left to the caller (their rows of out untouched). The default tiles (128 query rows x
+    32 keys, 4 warps, 2 stages) measured fastest of eight on an H200 for bf16 pages at 8B shapes
+    (bench/RESULTS.md)."""
+    num_heads, head_dim = query.shape[1:]
     num_seqs = seq_lens.shape[0]
     _, bs, num_kv_heads, d_k = paged.check_pages(k_pages, formats[0], "k_pages")
     _, bs_v, num_kv_heads_v, d_v = paged.check_pages(v_pages, formats[1], "v_pages")
@@ -125,7 +137,8 @@ def prefill_attention(
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
-    if num_tokens == 0:
+    num_tokens = query.shape[0] if num_rows is None else num_rows
+    if num_tokens == 0 or num_seqs == 0:
         return out
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
@@ -135,7 +148,7 @@ def prefill_attention(
         H=num_kv_heads, GROUP=group, GP=gp, D=head_dim, BS=bs,
         **paged.page_constexprs(k_pages, formats[0], "K"), **paged.page_constexprs(v_pages, formats[1], "V"),
         DT=paged.operand_dtype(k_pages, v_pages), BLOCK_Q=block_q, BLOCK_N=block_n, PRECISE=precise_pv,
-        ASM=paged.use_asm(query.device) if asm is None else asm,
+        ASM=paged.use_asm(query.device) if asm is None else asm, SKIP_DECODES=skip_decodes,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
