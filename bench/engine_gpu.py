@@ -10,7 +10,8 @@
 
 Sections (--sections, run in this order):
 1. throughput: per kv dtype (one LLM each, reused over --shapes = REQUESTSxPROMPT_LEN), after a
-   warm-up run of each shape (8 requests): one max_tokens=N run whose engine steps are timed (no
+   warm-up run of each shape (8 requests, or one step's token budget and one more, so that a step mixes
+   a prefill chunk with decodes): one max_tokens=N run whose engine steps are timed (no
    syncs added; each step ends with reading its tokens, so a step's wall time is its device time plus
    whatever host time is not overlapped). Steady decode tok/s = tokens of the decode-only steps /
    their time; prefill tok/s = prompt tokens / time of the other steps (prefill chunks, alone or
@@ -183,8 +184,10 @@ def throughput_one(args, R: dict, bw: float | None, kv: str, shapes: list[tuple[
     try:
         for n, L in shapes:
             prompts = make_prompts(n, L, vocab, seed=1)
-            # warm-up at this shape (the prefill chunk sizes, the decode graph), on at most 8 requests
-            timed_generate(llm, prompts[:8], 2, args.device)
+            # warm-up at this shape (the prefill chunk sizes, the decode graph, a step mixing prefill
+            # chunks with decodes), on at most 8 requests or one step's token budget and one more
+            warm = max(8, eng.config.max_num_batched_tokens // L + 1)
+            timed_generate(llm, prompts[:warm], 2, args.device)
             eng.step_timings = []  # per-step wall times, no syncs added
             tN, outs = timed_generate(llm, prompts, N, args.device)
             steps, eng.step_timings = eng.step_timings, None

@@ -11,7 +11,8 @@
    head), head_dim 128, contexts 1k-64k, batch 1-128; effective bandwidth = KV bytes / time; fp4
    runs the default (the Gluon kernel on this cache) and, on the same pages, the Triton fp4 kernel
    (fp4_kernel=True) and the generic kernel (fp4_kernel=False), side by side;
-4. store_kv cost per token; 5. prefill TFLOP/s against SDPA bf16 (causal); 6. the engine smoke:
+4. store_kv cost per token; 5. prefill TFLOP/s per format (fp8 and fp4 as the engine runs them: dequantized
+   into a dense scratch, then the bf16 kernel; and the former in-kernel fp4 path) against SDPA bf16; 6. the engine smoke:
    greedy tokens with the kernels vs the torch path, Llama-3.1-8B shapes carrying a trained model
    (stories260K widened exactly, app/engine/widen.py; --stories names its directory).
 Timings are triton.testing.do_bench medians (ms) of a CUDA graph holding one call; host launch
@@ -41,6 +42,8 @@ from app.kernels import decode_fp4_gluon, fp4, paged  # noqa: E402
 from app.kernels.attention_ref import decode_attention_ref, prefill_attention_ref  # noqa: E402
 from app.kernels.decode_attention import decode_attention, num_splits_for  # noqa: E402
 from app.kernels.prefill_attention import prefill_attention  # noqa: E402
+from app.kernels.dequantize_blocks import dequantize_blocks  # noqa: E402
+from app.engine.prefill_plan import plan_prefill  # noqa: E402
 from app.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -370,30 +373,52 @@ def store_section(results: dict) -> None:
 
 
 # -- prefill -------------------------------------------------------------------------------------
+PREFILL_CASES = {  # (batch, new tokens, cached context): whole prompts, then agent-turn chunks
+    "8B": ((4, 4096, 0), (2, 2048, 16384), (1, 512, 8192), (1, 2048, 8192), (1, 512, 32768), (1, 2048, 32768),
+           (4, 1024, 16384)),
+    "70B-TP8": ((4, 4096, 0), (2, 2048, 16384)),
+}
+
+
+def two_pass(q, pages, formats, table, sl, qsl, plan, scratch):
+    """The engine's prefill over quantized pages (KVCache._attend_kernels): the sequences' blocks
+    dequantized into a dense scratch, the prefill kernel over the scratch."""
+    (kp, vp), (sk, sv), g = pages, scratch, plan.groups[0]
+    dequantize_blocks(kp, formats[0], table, g.prog_seq, g.prog_blk, g.seq_off, sk)
+    dequantize_blocks(vp, formats[1], table, g.prog_seq, g.prog_blk, g.seq_off, sv)
+    return prefill_attention(q, sk, sv, g.tables, sl, qsl, HEAD_DIM ** -0.5, skip_decodes=True)
+
+
 def prefill_section(results: dict) -> None:
+    """Prefill attention TFLOP/s per format: bf16 pages, fp8 and fp4 through the engine's two passes
+    (the sequences' blocks dequantized into a dense scratch, timed with the attention), fp4 with the dequantization inside the attention kernel (the former path, its
+    former 64 x 64 tiles), and SDPA on contiguous K/V for whole prompts."""
     rows = []
     gen = torch.Generator().manual_seed(2)
     for model, (hq, hk) in MODELS.items():
-        for batch, new, ctx in ((4, 4096, 0), (2, 2048, 16384)):
+        for batch, new, ctx in PREFILL_CASES[model]:
             total = ctx + new
             table, nb = shuffled_tables(batch, total, gen)
             sl = torch.full((batch,), total, dtype=torch.int32, device=DEV)
             qsl = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * new
             q = torch.randn(batch * new, hq, HEAD_DIM, device=DEV).bfloat16()
+            plan = plan_prefill([total] * batch, qsl.tolist(), BLOCK, True, 1 << 30, DEV)
+            scratch = torch.empty(2, plan.groups[0].num_blocks, BLOCK, hk, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
             # causal FLOPs: each new token attends to ctx + its position + 1 keys; 4 FLOPs per key and dim
             flops = 4 * batch * hq * HEAD_DIM * (new * ctx + new * (new + 1) / 2)
             row = {"model": model, "batch": batch, "new_tokens": new, "ctx": ctx}
             kp = torch.randn(nb, BLOCK, hk, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
             vp = torch.randn_like(kp)
-            row["bf16_paged_ms"] = bench(lambda: prefill_attention(q, kp, vp, table, sl, qsl, HEAD_DIM ** -0.5))
-            row["bf16_paged_precise_ms"] = bench(lambda: prefill_attention(q, kp, vp, table, sl, qsl, HEAD_DIM ** -0.5,
-                                                                           precise_pv=True))
+            row["bf16_ms"] = bench(lambda: prefill_attention(q, kp, vp, table, sl, qsl, HEAD_DIM ** -0.5))
+            fp8_pages = paged.quantize_pages(kp, "fp8"), paged.quantize_pages(vp, "fp8")
             del kp, vp
+            row["fp8_ms"] = bench(lambda: two_pass(q, fp8_pages, (None, None), table, sl, qsl, plan, scratch))
+            del fp8_pages
             kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
-            row["fp4_ms"] = bench(lambda: prefill_attention(q, kp, vp, table, sl, qsl, HEAD_DIM ** -0.5, FORMATS))
-            row["fp4_precise_ms"] = bench(lambda: prefill_attention(q, kp, vp, table, sl, qsl, HEAD_DIM ** -0.5,
-                                                                    FORMATS, precise_pv=True))
-            del kp, vp
+            row["fp4_ms"] = bench(lambda: two_pass(q, (kp, vp), FORMATS, table, sl, qsl, plan, scratch))
+            row["fp4_in_kernel_ms"] = bench(lambda: prefill_attention(q, kp, vp, table, sl, qsl, HEAD_DIM ** -0.5,
+                                                                      FORMATS, block_m=64, block_n=64))
+            del kp, vp, scratch
             if ctx == 0:  # SDPA's is_causal aligns the mask top-left, right only when q and k have one length
                 qs = torch.randn(batch, hq, new, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
                 ks = torch.randn(batch, hk, total, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
@@ -401,9 +426,10 @@ def prefill_section(results: dict) -> None:
                 row["sdpa_ms"] = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
                                                                               enable_gqa=True))
                 del qs, ks, vs
-            for key in ("bf16_paged", "bf16_paged_precise", "fp4", "fp4_precise", "sdpa"):
+            for key in ("bf16", "fp8", "fp4", "fp4_in_kernel", "sdpa"):
                 if f"{key}_ms" in row:
                     row[f"{key}_tflops"] = flops / (row[f"{key}_ms"] * 1e-3) / 1e12
+            row["fp8_vs_bf16"], row["fp4_vs_bf16"] = row["bf16_ms"] / row["fp8_ms"], row["bf16_ms"] / row["fp4_ms"]
             torch.cuda.empty_cache()
             rows.append(row)
             print(json.dumps(row), flush=True)
