@@ -29,10 +29,12 @@ import random
 import sys
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app import LLM, SamplingParams  # noqa: E402
-from bench.engine_gpu import percentiles  # noqa: E402
+from bench.engine_gpu import free, percentiles  # noqa: E402
 
 
 def make_trace(args, vocab: int) -> dict:
@@ -155,6 +157,10 @@ def main(argv=None) -> dict:
         finally:
             llm.engine.shutdown()
             del llm
+            free(args.device)  # the engine holds reference cycles: without a collection the next format's
+            # engine is built beside this one's weights, pages and graphs (an OOM on one 80 GB card)
+        if args.device.startswith("cuda"):
+            row["cuda_allocated_after_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
     base = next((r for r in rows if r["kv_cache_dtype"] == "bf16"), None)
