@@ -194,12 +194,12 @@ def test_chunked_prefill_equals_one_shot_on_gpu(stories_paths, tmp_path, kv_cach
     """The GPU prefill path (app/engine/prefill_plan.py) gives a chunked prompt (chunks of 48 tokens
     over its cached context, mixed with other requests' decodes) the log-probabilities and greedy
     tokens a one-shot prefill of it alone gives. Both read the context through the same pages, so
-    only bf16 rounding (GEMMs of other sizes) separates them: every prompt log-probability within
-    0.05 nats, and the greedy tokens equal (bf16: all of them; fp8/fp4, whose split plans follow the
-    batch, at least 90% of the prompts)."""
+    only rounding separates them (GEMMs of other sizes; fp8/fp4 split plans that follow the batch):
+    every prompt log-probability within 0.05 nats, and where two greedy continuations part, they
+    part at a near-tie: each run's token is the other's second choice, less than 0.1 nats behind."""
     rng = random.Random(3)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(4, 24))) for _ in range(12)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0, logprobs=2)
     common = dict(kv_cache_dtype=kv_cache_dtype, max_num_seqs=16, num_kv_blocks=512, max_model_len=512,
                   enable_prefix_caching=False)
     llm = _widened(stories_paths, tmp_path, "small", max_num_batched_tokens=4096, **common)
@@ -215,5 +215,19 @@ def test_chunked_prefill_equals_one_shot_on_gpu(stories_paths, tmp_path, kv_cach
     worst = max(abs(a - b) for x, y in zip(alone, chunked)
                 for a, b in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]))
     assert worst < 0.05, worst
+    for x, y in zip(alone, chunked):
+        _assert_parts_at_near_tie(x, y)
     same = sum(x.token_ids == y.token_ids for x, y in zip(alone, chunked))
-    assert same == len(prompts) if kv_cache_dtype == "bf16" else same >= 0.9 * len(prompts), same
+    assert same >= 0.75 * len(prompts), same
+
+
+def _assert_parts_at_near_tie(x, y, gap=0.1):
+    """Two greedy continuations of one prompt are equal, or equal up to a position where each run
+    ranks the other's token second, within `gap` nats of its own (a rounding-sized near-tie)."""
+    i = next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), None)
+    if i is None:
+        return
+    for own, other in ((x, y), (y, x)):
+        (first, lp1), (second, lp2) = own.top_logprobs[i][:2]
+        assert first == own.token_ids[i] and second == other.token_ids[i] and lp1 - lp2 < gap, \
+            (i, own.top_logprobs[i], other.token_ids[i])
