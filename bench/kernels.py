@@ -6,7 +6,7 @@
 2. checks at small sizes on realistic data: store_kv bits against the torch path, decode and
    prefill against float32 attention over the dequantized pages, the inline-PTX fp4 unpack
    against plain Triton;
-3. decode: fp4 pages vs torch SDPA bf16 on contiguous K/V (enable_gqa, fastest backend) vs our bf16
+3. decode: fp4 and fp8 pages vs torch SDPA bf16 on contiguous K/V (enable_gqa, fastest backend) vs our bf16
    paged kernel, Llama-3.1-8B per GPU (32 q heads, 8 KV heads) and 70B at TP=8 (8 q heads, 1 KV
    head), head_dim 128, contexts 1k-64k, batch 1-128; effective bandwidth = KV bytes / time; fp4
    runs the default (the Gluon kernel on this cache) and, on the same pages, the Triton fp4 kernel
@@ -38,7 +38,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.config import FP4Config  # noqa: E402
-from app.kernels import decode_fp4_gluon, fp4, paged  # noqa: E402
+from app.kernels import decode_fp4_gluon, fp4, fp8, paged  # noqa: E402
 from app.kernels.attention_ref import decode_attention_ref, prefill_attention_ref  # noqa: E402
 from app.kernels.decode_attention import decode_attention, num_splits_for  # noqa: E402
 from app.kernels.prefill_attention import prefill_attention  # noqa: E402
@@ -53,6 +53,7 @@ BLOCK = 16
 MODELS = {"8B": (32, 8), "70B-TP8": (8, 1)}  # (q heads, KV heads) per GPU
 FP4_BYTES = sum(f.bytes_per_vector(HEAD_DIM) for f in FORMATS)  # K + V per token and KV head: 150
 BF16_BYTES = 2 * 2 * HEAD_DIM  # 512
+FP8_BYTES = 2 * (HEAD_DIM + 4)  # K + V: E4M3 values and a float32 scale each: 264
 GLUON_TILE = decode_fp4_gluon.W * decode_fp4_gluon.TW  # tokens per program and tile, as the launcher splits
 
 
@@ -271,7 +272,12 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
                                                                           precise_pv=True))
             row["bf16_paged_bn128_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
                                                                         block_n=128))
+        # fp8 pages: the fp8 kernel (the default) and the generic kernel on the same pages (the path before it)
+        k8, v8 = fp8.fp8_quantize(kp), fp8.fp8_quantize(vp)
         del kp, vp
+        row["fp8_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx))
+        row["fp8_generic_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx, fp8_kernel=False))
+        del k8, v8
         # fp4
         kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
         row["fp4_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
@@ -320,6 +326,9 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
         row["fp4_speedup_vs_triton"] = row["fp4_triton_ms"] / row["fp4_ms"]
         row["fp4_speedup_vs_regload"] = row["fp4_regload_ms"] / row["fp4_ms"]
         row["bf16_paged_vs_sdpa"] = row["bf16_paged_ms"] / row["sdpa_ms"]
+        row["fp8_speedup_vs_bf16_paged"] = row["bf16_paged_ms"] / row["fp8_ms"]
+        row["fp8_speedup_vs_generic"] = row["fp8_generic_ms"] / row["fp8_ms"]
+        row["fp8_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP8_BYTES / (row["fp8_ms"] * 1e-3) / copy_bw
         row["fp4_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP4_BYTES / (row["fp4_ms"] * 1e-3) / copy_bw
         row["sdpa_eff_bw_pct_copy"] = 100 * kv_bytes / (row["sdpa_ms"] * 1e-3) / copy_bw
         row["bf16_paged_eff_bw_pct_copy"] = 100 * kv_bytes / (row["bf16_paged_ms"] * 1e-3) / copy_bw
@@ -571,6 +580,12 @@ def print_tables(results: dict) -> None:
                   f"{r['bf16_paged_ms']:.4f} {r['fp4_ms']:.4f} {r['fp4_triton_ms']:.4f} {r['fp4_generic_ms']:.4f} | "
                   f"{r['fp4_speedup_vs_sdpa']:.2f} | {r['fp4_speedup_vs_triton']:.2f} | {r['fp4_speedup_vs_generic']:.2f} | "
                   f"{r['bf16_paged_vs_sdpa']:.2f} | {r['fp4_eff_bw_pct_copy']:.0f} {r['sdpa_eff_bw_pct_copy']:.0f}")
+        print("model ctx batch | bf16_paged_ms fp8_ms fp8_generic_ms | fp8 x bf16 paged | fp8 x generic | "
+              "fp8 %copy bf16paged %copy")
+        for r in results["decode"]:
+            print(f"{r['model']} {r['ctx']} {r['batch']} | {r['bf16_paged_ms']:.4f} {r['fp8_ms']:.4f} "
+                  f"{r['fp8_generic_ms']:.4f} | {r['fp8_speedup_vs_bf16_paged']:.2f} | {r['fp8_speedup_vs_generic']:.2f} | "
+                  f"{r['fp8_eff_bw_pct_copy']:.0f} {r['bf16_paged_eff_bw_pct_copy']:.0f}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 
 from app.kernels.attention_ref import decode_attention_ref
 from app.kernels.decode_attention import FP4_SPLIT_TOKENS, decode_attention, fp4_splits, split_cost
+from app.kernels import paged
 from kernels_testing import block_tables, random_pages, rel_err
 
 ODD_LENGTHS = [1, 15, 16, 17, 1025, 1027]
@@ -105,6 +106,55 @@ def test_fp4_split_cost_counts_the_busiest_sm():
     assert split_cost(32, 8192, 64, 8, 4, 132) == pytest.approx(2 * (1024 * 1.12 + 160))
     # 20 splits round to 410 -> 448-token splits (19 of them): 608 programs, 5 on an SM: two waves
     assert split_cost(32, 8192, 64, 20, 4, 132) == 2 * 4 * (448 + 160)
+
+
+def test_fp8_kernel_agrees_with_the_generic_kernel():
+    """fp8 K and V pages run _decode_fp8_kernel (16-bit words split into even and odd halves, fp16
+    operands, value scales folded into the scores); the generic kernel reads the same pages as bf16
+    tiles. Both agree with each other and with float32 attention; seven splits leave empty ones."""
+    seq_lens = [1, 17, 300]
+    import app.kernels.decode_attention as da
+
+    fp8, ref = _run("fp8", seq_lens, 2, 4, 128, 16, num_splits=7, block_n=None)
+    generic, _ = _run("fp8", seq_lens, 2, 4, 128, 16, num_splits=7, fp8_kernel=False)
+    assert rel_err(fp8, generic) < 4e-3 and rel_err(fp8, ref) < 1e-2
+    assert da.FP8_BLOCK_N >= 16
+
+
+_CUDA = [pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or paged.interpreting(), reason="needs CUDA (and TRITON_INTERPRET unset)"))]
+
+
+@pytest.mark.parametrize("device", ["cpu"] + _CUDA)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_fp8_kernel_at_extreme_magnitudes(device, num_splits):
+    """The fp8 kernel's fp16 operands hold any magnitude the format stores: queries of 3e5 (past fp16's
+    range) and 3e-6 (below its normal range) go in scaled by a power of two; values whose scales span
+    2^-60 .. 2^60 go through the PV product as probability x scale <= 1. Against float32 attention over
+    the same pages (on the GPU: the PTX conversion and fp16 tensor cores; on the CPU: the interpreter)."""
+    from app.kernels import fp8
+
+    seq_lens = [33, 200, 1]
+    kv_heads, group, d, bs = 2, 4, 128, 16
+    table, nb = block_tables(seq_lens, bs)
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(nb, bs, kv_heads, d, generator=gen)
+    v = torch.randn(nb, bs, kv_heads, d, generator=gen) * torch.exp2(torch.randint(-60, 61, (nb, bs, kv_heads, 1),
+                                                                                generator=gen).float())
+    q = torch.randn(len(seq_lens), kv_heads * group, d, generator=gen)
+    q[0] *= 3e5
+    q[2] *= 3e-6
+    k_pages, v_pages = fp8.fp8_quantize(k), fp8.fp8_quantize(v)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    ref = decode_attention_ref(q.bfloat16(), k_pages, v_pages, table, lens, d ** -0.5, (None, None))
+    dev = torch.device(device)
+    move = lambda t: tuple(x.to(dev) for x in t)  # noqa: E731
+    out = torch.full((len(seq_lens), kv_heads * group, d), float("nan"), dtype=torch.bfloat16, device=dev)
+    decode_attention(q.bfloat16().to(dev), move(k_pages), move(v_pages), table.to(dev), lens.to(dev), d ** -0.5,
+                     max(seq_lens), num_splits=num_splits, out=out)
+    # per sequence: each one's outputs have their own magnitude (its values' scales)
+    for i in range(len(seq_lens)):
+        assert rel_err(out[i].cpu(), ref[i]) < 1e-2, i
 
 
 @pytest.mark.parametrize("pairs,seq_len,splits", [

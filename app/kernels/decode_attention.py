@@ -57,6 +57,9 @@ FP4_SPLIT_TOKENS = (512, 256, 128)
 # slots per SM; for a kernel with fewer slots, programs that fill them count at full speed and fewer
 # take the same table.
 PROGRAM_COST_TOKENS = 160
+# The fp8 kernel's tile, software-pipeline depth and programs per SM for its split count (the fastest in
+# bench/RESULTS.md's sweep).
+FP8_BLOCK_N, FP8_STAGES, FP8_PROGRAMS_PER_SM = 64, 2, 2
 SHARED_SM_SLOWDOWN = {1: 1.5, 2: 1.12, 3: 1.03}  # programs on an SM (fewer than its slots) -> per-token cost
 
 
@@ -205,6 +208,118 @@ def _decode_fp4_kernel(
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
 
 
+# Two E4M3 bytes in each 16-bit half of $2 (elements 2i, 2i+1 of a vector in each) -> fp16x2 of the even
+# bytes and fp16x2 of the odd ones: one prmt gathers each pair, cvt.rn.f16x2.e4m3x2 widens it (exact: every
+# E4M3 value is an fp16 value).
+_E4M3_HALVES_PTX = tl.constexpr("""
+{
+  .reg .b32 t;
+  .reg .b16 lo, hi;
+  prmt.b32 t, $2, 0, 0x3120;
+  mov.b32 {lo, hi}, t;
+  cvt.rn.f16x2.e4m3x2 $0, lo;
+  cvt.rn.f16x2.e4m3x2 $1, hi;
+}
+""")
+
+
+@triton.jit
+def _e4m3_halves(x, DT: tl.constexpr, ASM: tl.constexpr):
+    """uint16 words [...] holding the E4M3 bytes of elements 2i (low byte) and 2i+1 (high byte) -> (even,
+    odd) in DT, exactly: fp16 from the PTX, the plain-Triton path's DT otherwise (the interpreter's)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_E4M3_HALVES_PTX, "=r,=r,r", [x], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=2)
+    even = (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(DT)
+    odd = (x >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(DT)
+    return even, odd
+
+
+@triton.jit
+def _fp16_pow2(amax):
+    """The power of two that brings amax (> 0, float32) to [2^13, 2^14): the query in fp16 with no
+    overflow and nothing below fp16's normal range but elements 2^-27 of its largest."""
+    return (tl.minimum(tl.maximum(267 - (amax.to(tl.int32, bitcast=True) >> 23), 1), 254) << 23).to(
+        tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=SPLIT_ARGS)
+def _decode_fp8_kernel(
+    q_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    k_vals, k_scale, v_vals, v_scale,
+    block_tables_ptr, seq_lens_ptr,
+    sm_scale_log2, stride_q_seq, stride_q_head, stride_bt, split_size, num_splits,
+    H: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    DT: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+):
+    """_decode_kernel for fp8 K and V pages, in fp16 MMAs (bench/RESULTS.md has its instruction counts and
+    times). Each vector is read as 16-bit words of two E4M3 values and used as its even and odd halves
+    (the query split alike, the output written back interleaved), so one prmt and one hardware widening
+    per two values make the MMA operands in registers (the generic kernel's E4M3 -> bf16 conversion ran
+    after the shared-memory round trip, with byte-wise shared loads and float32 round trips). The query
+    goes to fp16 times a power of two (_fp16_pow2; the scores take it back), the keys' scales multiply the
+    scores, and each value's scale joins its score as log2(scale), so the probabilities go to the PV MMA
+    already weighted by it and at most 1 (exact to fp16's 11 bits relative to the largest whatever the
+    values' magnitudes); the sums take it back (p / scale)."""
+    h, b, sp, start, end = _program_split(seq_lens_ptr, split_size, num_splits, BLOCK_N)
+    DH: tl.constexpr = D // 2
+    g = tl.arange(0, GP)
+    i = tl.arange(0, DH)
+    g_mask = g < GROUP
+    q_rows = b.to(tl.int64) * stride_q_seq + (h * GROUP + g) * stride_q_head  # [GP]
+    q_even = tl.load(q_ptr + q_rows[:, None] + 2 * i[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
+    q_odd = tl.load(q_ptr + q_rows[:, None] + 2 * i[None, :] + 1, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.max(tl.abs(q_even), 1), 0), tl.max(tl.max(tl.abs(q_odd), 1), 0))
+    qf = _fp16_pow2(tl.maximum(amax, 1e-30))
+    q_even = (q_even * qf).to(DT)  # [GP, D/2]
+    q_odd = (q_odd * qf).to(DT)
+    k_factor = sm_scale_log2 / qf
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    k_words = k_vals.to(tl.pointer_type(tl.uint16))
+    v_words = v_vals.to(tl.pointer_type(tl.uint16))
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc_even = tl.zeros([DH, GP], tl.float32)  # transposed: O^T
+    acc_odd = tl.zeros([DH, GP], tl.float32)
+    t = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + t
+        n_mask = n < end
+        rows = paged.page_rows(bt_row, n, n_mask, BS, H, h)
+        kw = tl.load(k_words + rows[:, None] * DH + i[None, :], mask=n_mask[:, None], other=0)  # [N, D/2]
+        fk = tl.load(k_scale + rows, mask=n_mask, other=0.0)
+        k_even, k_odd = _e4m3_halves(kw, DT, ASM)
+        s = paged.mma(q_even, tl.trans(k_even), None)
+        s = paged.mma(q_odd, tl.trans(k_odd), s) * (fk * k_factor)[None, :]  # [GP, N] base-2 logits
+        vw = tl.load(v_words + rows[:, None] * DH + i[None, :], mask=n_mask[:, None], other=0)
+        fv = tl.maximum(tl.load(v_scale + rows, mask=n_mask, other=1.0), 1e-30)
+        s = tl.where(n_mask[None, :], s + tl.log2(fv)[None, :], float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])  # probability x the value's scale
+        l = l * alpha + tl.sum(p / fv[None, :], 1)
+        v_even, v_odd = _e4m3_halves(vw, DT, ASM)
+        pt = tl.trans(p.to(DT))  # [N, GP]
+        acc_even = paged.mma(tl.trans(v_even), pt, acc_even * alpha[None, :])
+        acc_odd = paged.mma(tl.trans(v_odd), pt, acc_odd * alpha[None, :])
+        m = m_new
+    heads = h * GROUP + g
+    empty = l == 0.0  # an empty split (past this sequence's end) writes lse -inf and zeros
+    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l))
+    if not SPLIT:
+        o_ptr = out_ptr + (b * (H * GROUP) + heads)[None, :].to(tl.int64) * D + 2 * i[:, None]  # [DH, GP]
+        dtype = out_ptr.dtype.element_ty
+        tl.store(o_ptr, paged.cast_out(acc_even * inv[None, :], dtype), mask=g_mask[None, :])
+        tl.store(o_ptr + 1, paged.cast_out(acc_odd * inv[None, :], dtype), mask=g_mask[None, :])
+    else:
+        lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
+        part = (b * (H * GROUP) + heads).to(tl.int64) * num_splits + sp  # [GP]
+        o_ptr = part_o_ptr + part[None, :] * D + 2 * i[:, None]
+        tl.store(o_ptr, acc_even * inv[None, :], mask=g_mask[None, :])
+        tl.store(o_ptr + 1, acc_odd * inv[None, :], mask=g_mask[None, :])
+        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+
+
 @triton.jit
 def _fp4_key_outliers(s, q_head0, stride_q_head, p_val, p_idx, rows, mask, g, GROUP: tl.constexpr, KO: tl.constexpr):
     """s [GP, N] + sum over slots of out_val[n] * q[g, out_idx[n]], exact in float32, for the GROUP
@@ -329,23 +444,26 @@ def decode_attention(
     out: torch.Tensor | None = None,
     maxnreg: int | None = None,
     fp4_kernel: bool | None = None,
+    fp8_kernel: bool | None = None,
     gluon: bool | None = None,
     fp16: bool | None = None,
     pair: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] query dtype
     """Launcher. Which kernel: fp4 K and V pages in decode_fp4_gluon's scope (the engine's default fp4
     cache on CUDA: `decode_fp4_gluon.unsupported` lists it) run the Gluon kernel; other fp4 pages
-    with head_dim >= 128 run _decode_fp4_kernel; every other combination runs _decode_kernel.
+    with head_dim >= 128 run _decode_fp4_kernel; fp8 K and V pages run _decode_fp8_kernel; every other
+    combination runs _decode_kernel.
     gluon: True requires the Gluon kernel (ValueError naming why it cannot run), False never uses
     it; fp4_kernel: True/False forces fp4 pages through _decode_fp4_kernel/_decode_kernel (tests and
-    the benchmark's baselines); precise_pv and asm=False exist only in the Triton kernels and select
-    them. num_stages: for the Gluon kernel, 0 (loads into registers; key groups of 8 then run the Triton
+    the benchmark's baselines); fp8_kernel=False runs fp8 pages through _decode_kernel (likewise);
+    precise_pv and asm=False exist only in the Triton kernels and select
+    them (precise_pv: _decode_kernel, also for fp8 pages). num_stages: for the Gluon kernel, 0 (loads into registers; key groups of 8 then run the Triton
     kernel) or the tiles of its cp.async ring, a power of two >= 4 (None: decode_fp4_gluon.STAGES; other
     values raise ValueError); for
     the Triton kernels, the software-pipeline depth (None: 2, and for fp4 pages 1 once batch x KV
     heads >= 8). Triton
-    kernels only: block_n: tokens per tile (None: 128 for fp4 pages, 64 otherwise, the fastest in
-    bench/RESULTS.md); num_warps; precise_pv: the PV product from p split into two bf16
+    kernels only: block_n: tokens per tile (None: 128 for fp4 pages, FP8_BLOCK_N for the fp8 kernel, 64
+    otherwise, the fastest in bench/RESULTS.md); num_warps; precise_pv: the PV product from p split into two bf16
     terms (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton.
     maxnreg: a register cap on CUDA (None: 128 for _decode_fp4_kernel at head_dim 128; for the Gluon
     kernel decode_fp4_gluon.PAIR_MAXNREG (128) with tile pairs, else none; 0: none, which leaves the
@@ -360,8 +478,11 @@ def decode_attention(
     both_fp4 = fp4_pages and (fp4_kernel or (fp4_kernel is None and head_dim >= 128))
     cap = (128 if head_dim == 128 else 0) if maxnreg is None else maxnreg
     capped = both_fp4 and cap > 0 and not paged.interpreting()
+    both_fp8 = (paged.page_kind(k_pages) == paged.page_kind(v_pages) == paged.FP8 and fp8_kernel is not False
+                and not precise_pv)
     if block_n is None:
-        block_n = 128 if paged.FP4 in (paged.page_kind(k_pages), paged.page_kind(v_pages)) else 64
+        block_n = 128 if paged.FP4 in (paged.page_kind(k_pages), paged.page_kind(v_pages)) else (
+            FP8_BLOCK_N if both_fp8 else 64)
     _, bs, num_kv_heads, d_k = paged.check_pages(k_pages, formats[0], "k_pages")
     _, bs_v, num_kv_heads_v, d_v = paged.check_pages(v_pages, formats[1], "v_pages")
     assert (bs, num_kv_heads, d_k) == (bs_v, num_kv_heads_v, d_v) == (bs, num_kv_heads, head_dim), (
@@ -386,18 +507,25 @@ def decode_attention(
         return _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats,
                              num_splits, out, maxnreg, num_stages, fp16, pair)
     if num_splits is None:
-        num_splits = num_splits_for(num_seqs, num_kv_heads, max_seq_len, query.device, block_n,
-                                    max(1, 65536 // (cap * 32 * num_warps)) if capped else 2, fp4_rule=both_fp4)
+        per_sm = max(1, 65536 // (cap * 32 * num_warps)) if capped else FP8_PROGRAMS_PER_SM if both_fp8 else 2
+        num_splits = num_splits_for(num_seqs, num_kv_heads, max_seq_len, query.device, block_n, per_sm,
+                                    fp4_rule=both_fp4)
     split_size, num_splits, out, part_o, part_lse = _split_buffers(query, max_seq_len, num_splits, block_n, out)
     common = dict(
         H=num_kv_heads, GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=head_dim, BS=bs,
-        DT=paged.operand_dtype(k_pages, v_pages), BLOCK_N=block_n, SPLIT=num_splits > 1, PRECISE=precise_pv,
+        DT=(tl.float32 if paged.interpreting() else tl.float16) if both_fp8 else paged.operand_dtype(k_pages, v_pages),
+        BLOCK_N=block_n, SPLIT=num_splits > 1, PRECISE=precise_pv,
         ASM=paged.use_asm(query.device) if asm is None else asm, num_warps=num_warps,
     )
     args = (query, out, part_o, part_lse, *paged.page_args(k_pages), *paged.page_args(v_pages),
             block_tables, seq_lens, scale * LOG2E, query.stride(0), query.stride(1), block_tables.stride(0),
             split_size, num_splits)
-    if both_fp4:
+    if both_fp8:
+        _decode_fp8_kernel[(num_kv_heads, num_seqs, num_splits)](
+            query, out, part_o, part_lse, *k_pages, *v_pages, *args[14:],
+            **{k: v for k, v in common.items() if k != "PRECISE"}, num_stages=FP8_STAGES if num_stages is None
+            else num_stages)
+    elif both_fp4:
         # 128 registers at head_dim 128: four programs (16 warps) per SM instead of two; a few spill
         # slots are the cheaper side of that trade. One pipeline stage, except for fewer than 8
         # (sequence, KV head) pairs (70B at TP 8, batch 1), where two were faster (bench/RESULTS.md).
