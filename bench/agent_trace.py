@@ -16,7 +16,8 @@ the context stays within --max-model-len. Session i arrives at i x --arrival sec
 
 Reported per format: wall time, turns/s, output tok/s, TTFT per turn (p50/p90/p99: first token time -
 the turn's send time), prompt tokens, prefix-cache hit tokens (the engine's num_cached_tokens per turn,
-at admission) and recomputed tokens (prompt - hit), hit rate, preemptions, peak running sessions.
+at admission) and recomputed tokens (prompt - hit: prefilled at admission; what a preempted turn prefills again
+is not in it), hit rate, preemptions, peak running sessions.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def make_trace(args, vocab: int) -> dict:
     for i in range(args.sessions):
         turns, ctx = [], args.system_len
         for _ in range(rng.randint(*args.turns)):
-            new = int(math.exp(rng.uniform(math.log(a_lo), math.log(a_hi))))
+            new = round(math.exp(rng.uniform(math.log(a_lo), math.log(a_hi))))
             reply = rng.randint(*args.reply)
             if ctx + new + reply > args.max_model_len:
                 break
@@ -62,6 +63,7 @@ def run_trace(llm: LLM, trace: dict, think: float) -> dict:
     sched = eng.scheduler
     preempt0, hit0, prompt0 = sched.num_preemptions_total, sched.num_prefix_hit_tokens_total, \
         sched.num_prompt_tokens_total
+    eng.peak_num_running = 0  # the warm-up's requests are not the trace's
     sessions = trace["sessions"]
     context = [list(trace["system"]) for _ in sessions]
     next_turn = [0] * len(sessions)
@@ -79,7 +81,8 @@ def run_trace(llm: LLM, trace: dict, think: float) -> dict:
             prompt = context[i] + new
             rid = f"s{i}t{next_turn[i]}"
             eng.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=reply, ignore_eos=True))
-            inflight[rid] = {"session": i, "sent": now, "prompt": prompt, "first": None}
+            # the turn's TTFT counts from when it was due, not from when the loop got to it after a step
+            inflight[rid] = {"session": i, "sent": d[0], "prompt": prompt, "first": None}
         if not inflight:
             time.sleep(max(0.0, min(d[0] for d in due) - now))
             continue
@@ -168,7 +171,9 @@ def main(argv=None) -> dict:
         if base is not None:
             r["turns_per_s_vs_bf16"] = round(r["turns_per_s"] / base["turns_per_s"], 3)
             r["ttft_p99_vs_bf16"] = round(r["ttft_ms"]["p99"] / base["ttft_ms"]["p99"], 3)
-    result = {"args": {k: v for k, v in vars(args).items()}, "rows": rows}
+    result = {"args": {k: v for k, v in vars(args).items()}, "rows": rows,
+              "trace_turns": sum(len(s["turns"]) for s in trace["sessions"]),
+              "trace_output_tokens": sum(r for s in trace["sessions"] for _, r in s["turns"])}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

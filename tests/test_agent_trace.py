@@ -24,7 +24,8 @@ def test_agent_trace_runs_and_its_counters_add_up(tmp_path):
     assert rows["bf16"]["turns"] == rows["fp4"]["turns"] >= 12
     assert rows["bf16"]["prompt_tokens"] == rows["fp4"]["prompt_tokens"]
     assert rows["bf16"]["output_tokens"] == rows["fp4"]["output_tokens"]
-    for r in rows.values():
+    for r in rows.values():  # every turn of the trace answered, each with its reply length
+        assert r["turns"] == result["trace_turns"] and r["output_tokens"] == result["trace_output_tokens"]
         assert r["hit_tokens"] + r["recomputed_tokens"] == r["prompt_tokens"]
         assert 0 < r["hit_rate"] < 1 and r["turns_per_s"] > 0 and r["ttft_ms"]["p99"] >= r["ttft_ms"]["p50"]
     assert rows["fp4"]["kv_tokens"] > rows["bf16"]["kv_tokens"]  # the same budget holds more tokens

@@ -60,3 +60,20 @@ def test_fp4_settings_the_model_cannot_use_fail_before_weights_load(tmp_path, st
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="with outlier slots head_dim must be <= 256"):
         LLMEngine(EngineConfig(model=str(tmp_path), tokenizer=stories_paths[1], kv_cache_dtype="fp4"))
+
+
+def test_the_prefill_scratch_is_counted_in_the_gpu_budget():
+    """Quantized formats on CUDA reserve a dense prefill scratch (K and V, the compute dtype) for
+    max(65536, max_model_len) tokens beside their blocks; fit_num_kv_blocks takes it out of the budget
+    derived from gpu_memory_utilization. Dense formats and the CPU reserve none."""
+    import torch
+
+    from app.engine.kv_cache import KVCacheSpec, scratch_bytes
+
+    spec = KVCacheSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, compute_dtype=torch.bfloat16)
+    per_token = 2 * 8 * 128 * 2
+    assert scratch_bytes("fp4", spec, "cuda", 32768) == 65536 * per_token
+    assert scratch_bytes("fp8", spec, "cuda", 131072) == 131072 * per_token
+    assert scratch_bytes("fp4", spec, "cuda", 100001) == 100016 * per_token  # whole blocks
+    assert scratch_bytes("bf16", spec, "cuda", 32768) == 0
+    assert scratch_bytes("fp4", spec, "cpu", 32768) == 0

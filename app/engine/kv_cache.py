@@ -211,6 +211,14 @@ class KVCache(ABC):
         self._prefill_step = (meta, plan)
         return plan
 
+    def reserve_scratch(self, max_model_len: int) -> None:
+        """Quantized formats: allocate the prefill scratch now, sized for max_model_len (at least
+        SCRATCH_TOKENS), so that no sequence outgrows it while serving (scratch_bytes counts it in
+        the memory budget)."""
+        if self.name in _SCRATCH_FORMATS:
+            self.scratch_tokens = scratch_tokens(max_model_len)
+            self._scratch(cdiv(self.scratch_tokens, self.spec.block_size), self.spec.compute_dtype)
+
     def _scratch(self, num_blocks: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K and V scratch pages of at least num_blocks blocks (allocated on first use, grown to
         the largest need, never shrunk): [blocks, block_size, num_kv_heads, head_dim] each."""
@@ -539,6 +547,23 @@ def kv_bytes_per_token(kv_cache_dtype: str, spec: KVCacheSpec, fp4_formats: FP4F
     else:
         per_layer = DenseKVCache.bytes_per_token_per_layer(spec, _DENSE_DTYPES[name])
     return per_layer * spec.num_layers
+
+
+_SCRATCH_FORMATS = ("fp8", "fp4")  # their prefill reads a dense scratch (app/engine/prefill_plan.py)
+
+
+def scratch_tokens(max_model_len: int) -> int:
+    return max(SCRATCH_TOKENS, max_model_len)
+
+
+def scratch_bytes(kv_cache_dtype: str, spec: KVCacheSpec, device, max_model_len: int) -> int:
+    """Bytes of the dense prefill scratch (K and V pages of the compute dtype) that a quantized cache on
+    CUDA allocates beside its blocks (KVCache.reserve_scratch); 0 for dense formats and on the CPU."""
+    name = resolve_kv_cache_dtype(kv_cache_dtype, spec.compute_dtype)
+    if torch.device(device).type != "cuda" or name not in _SCRATCH_FORMATS:
+        return 0
+    tokens = cdiv(scratch_tokens(max_model_len), spec.block_size) * spec.block_size
+    return 2 * tokens * spec.num_kv_heads * spec.head_dim * spec.compute_dtype.itemsize
 
 
 def create_kv_cache(

@@ -19,7 +19,7 @@ import torch
 from app.config import EngineConfig
 from app.engine.attention import AttentionMetadata
 from app.engine.input_batch import InputBuffers
-from app.engine.kv_cache import KVCache, KVCacheSpec, create_kv_cache, kv_bytes_per_token
+from app.engine.kv_cache import KVCache, KVCacheSpec, create_kv_cache, kv_bytes_per_token, scratch_bytes
 from app.engine.kv_cache_manager import cdiv
 from app.engine.loader import load_model
 from app.engine.sampler import PendingSample, Sampler, SamplerOutput
@@ -115,10 +115,11 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 def fit_num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int, device: torch.device,
-                      max_model_len: int) -> int:
+                      max_model_len: int, workspace_bytes: int = 0) -> int:
     """KV blocks of kv_bytes_per_token-byte tokens that fit this rank's budget: config.num_kv_blocks;
-    else kv_cache_memory; on GPU gpu_memory_utilization x total - used; on CPU 1 GiB. A number
-    derived from memory is capped at what max_num_seqs requests of max_model_len tokens use."""
+    else kv_cache_memory; on GPU gpu_memory_utilization x total - used - workspace_bytes (what the
+    cache allocates beside its blocks: the prefill scratch of quantized formats); on CPU 1 GiB. A
+    number derived from memory is capped at what max_num_seqs requests of max_model_len tokens use."""
     c = config
     if c.num_kv_blocks is not None:
         return c.num_kv_blocks
@@ -126,7 +127,7 @@ def fit_num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int, device: tor
         budget = int(c.kv_cache_memory)
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * c.gpu_memory_utilization) - (total - free)
+        budget = int(total * c.gpu_memory_utilization) - (total - free) - workspace_bytes
     else:
         budget = CPU_DEFAULT_KV_MEMORY
     num_blocks = budget // (kv_bytes_per_token * c.block_size)
@@ -187,7 +188,8 @@ class ModelRunner:
         self.last_timing: dict = {}
 
     def num_kv_blocks_fit(self, max_model_len: int) -> int:
-        return fit_num_kv_blocks(self.config, self.kv_bytes_per_token, self.device, max_model_len)
+        return fit_num_kv_blocks(self.config, self.kv_bytes_per_token, self.device, max_model_len,
+                                 scratch_bytes(self.config.kv_cache_dtype, self.kv_spec, self.device, max_model_len))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache and the step buffers, then capture the decode graphs (CUDA)."""
@@ -196,6 +198,8 @@ class ModelRunner:
         c = self.config
         self.buffers = InputBuffers(max(c.max_num_batched_tokens, c.max_num_seqs), c.max_num_seqs,
                                     cdiv(self.max_model_len, c.block_size), self.device)
+        if self.device.type == "cuda" and self.kv_cache.kernels_enabled():
+            self.kv_cache.reserve_scratch(self.max_model_len)  # claimed now, within the budget above
         if self.device.type == "cpu":
             # Build (first use on this machine, ~35 s) or load the CPU extension now, while the
             # engine starts, not inside the first request's deadline.

@@ -25,7 +25,9 @@ from app.kernels import paged
 from app.kernels.fp4 import FP4Format
 
 
-@triton.jit(do_not_specialize=("stride_bt",))  # the tables' width changes every step: one compile
+# the tables' width changes every step and the engine passes a slice of the step's tables, whose alignment
+# changes with the slice: neither specializes (one compile, at start-up)
+@triton.jit(do_not_specialize=("stride_bt",), do_not_specialize_on_alignment=("block_tables_ptr",))
 def _dequantize_blocks_kernel(
     p0, p1, p2, p3, p4, out_ptr, block_tables_ptr, prog_seq_ptr, prog_blk_ptr, seq_off_ptr, stride_bt,
     H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr,

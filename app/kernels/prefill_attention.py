@@ -29,7 +29,11 @@ from app.kernels.decode_attention import LOG2E
 from app.kernels.fp4 import FP4Format
 
 
-@triton.jit(do_not_specialize=("num_seqs", "stride_bt"))  # they change every step: one compile
+# num_seqs and the tables' width change every step, and the engine passes slices of the step's tables,
+# lengths and query offsets (app/engine/kv_cache.py's scratch groups), whose alignment changes with the
+# slice: none of them specializes, so the kernel compiles once, at start-up, not while serving
+@triton.jit(do_not_specialize=("num_seqs", "stride_bt"),
+            do_not_specialize_on_alignment=("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"))
 def _prefill_kernel(
     q_ptr, out_ptr,
     k0, k1, k2, k3, k4, v0, v1, v2, v3, v4,
