@@ -59,6 +59,7 @@ class KVCache(ABC):
         # GPU prefill over quantized pages (app/engine/prefill_plan.py): the step's plan and the scratch
         self.scratch_tokens = SCRATCH_TOKENS
         self._prefill_step: tuple | None = None  # (the step's metadata, its PrefillPlan)
+        self._decode_rows_step: tuple | None = None  # (the step's metadata, its decode rows' tables, lengths)
         self._scratch_pages: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def kernels_enabled(self) -> bool:
@@ -182,9 +183,9 @@ class KVCache(ABC):
         out = torch.empty_like(query)
         dec = plan.decodes
         if dec is not None:
-            o = decode_attention(query.index_select(0, dec.rows), k_pages, v_pages,
-                                 meta.block_tables.index_select(0, dec.seqs),
-                                 meta.seq_lens_tensor.index_select(0, dec.seqs), scale, dec.max_seq_len, formats)
+            tables, lens = self._decode_rows_inputs(meta, dec)
+            o = decode_attention(query.index_select(0, dec.rows), k_pages, v_pages, tables, lens, scale,
+                                 dec.max_seq_len, formats)
             out.index_copy_(0, dec.rows, o)
         seq_lens, qsl = meta.seq_lens_tensor, meta.query_start_loc_tensor
         if dense:
@@ -198,6 +199,14 @@ class KVCache(ABC):
             prefill_attention(query, sk, sv, g.tables, seq_lens[g.first:g.end], qsl[g.first:g.end + 1], scale,
                               out=out, skip_decodes=True, num_rows=g.row_end - g.row_start)
         return out
+
+    def _decode_rows_inputs(self, meta, dec) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block tables and lengths of a mixed step's decode rows, gathered on the first layer's call."""
+        cached = self._decode_rows_step
+        if cached is None or cached[0] is not meta:
+            cached = self._decode_rows_step = (meta, meta.block_tables.index_select(0, dec.seqs),
+                                               meta.seq_lens_tensor.index_select(0, dec.seqs))
+        return cached[1], cached[2]
 
     def _prefill_plan(self, meta, quantized: bool, device):
         """The step's PrefillPlan, built on the first layer's call and reused by the others."""

@@ -7,11 +7,14 @@ layer reuses the plan; KVCache._attend_kernels carries it out).
 - **Prefill sequences over quantized pages** (fp8, fp4) run in two passes. Their blocks (the cached
   context and the chunk's own tokens, which the layer stored before attending) are dequantized once
   per layer into a dense scratch of the compute dtype (app/kernels/dequantize_blocks.py), and the
-  prefill kernel attends over the scratch exactly as it does over bf16 pages. Inside the attention
-  kernel the dequantization is repeated by every block of query rows of a sequence (16-64 of them for
-  a 2k-token chunk). A token still sees every key through the cache format, so chunked, one-shot,
-  prefix-hit and recomputed prefills agree. Sequences go in groups of consecutive sequences whose
-  blocks fit `scratch_blocks`; one longer than that goes alone (the scratch grows to it).
+  prefill kernel attends over the scratch exactly as it does over bf16 pages (dequantizing inside the
+  attention kernel repeated it for every block of query rows of a sequence: 16-64 of them for a
+  2k-token chunk). A token still sees every key through the cache format, so chunked, one-shot,
+  prefix-hit and recomputed prefills agree up to the scratch's one rounding to the compute dtype
+  (exact for fp4; fp8 value x scale rounds once, where a one-token chunk, through the decode kernel,
+  does not). Sequences go in groups of consecutive sequences whose blocks fit `scratch_blocks`; one
+  longer than that goes alone (the engine reserves a scratch for max_model_len,
+  KVCache.reserve_scratch, so none is; elsewhere the scratch grows to it).
 
 Each sequence's scratch blocks are consecutive: sequence i of a group owns blocks seq_off[i] ..
 seq_off[i] + cdiv(seq_len_i, block_size) - 1. The plan is built on the host from the step's lengths

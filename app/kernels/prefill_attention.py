@@ -10,7 +10,8 @@ sharing that KV head into its rows (BLOCK_Q x group rows), so each K/V tile is l
 dequantized once for all of them; the loop runs over key tiles up to the block's last position
 with an online softmax. Programs find their sequence by binary search over query_start_loc: there
 are cdiv(num_tokens, BLOCK_Q) + num_seqs of them per KV head, and sequence i owns those from
-query_start_loc[i] // BLOCK_Q + i on (the spare ones exit at once). fp4 outliers are added into
+(query_start_loc[i] - query_start_loc[0]) // BLOCK_Q + i on (the spare ones exit at once;
+query_start_loc may be a slice of a step's, whose rows then start at query_start_loc[0]). fp4 outliers are added into
 the dequantized tiles (rounded to bf16 there), which all BLOCK_M query rows then share: re-reading
 queries at the outlier indices, as decode does, cost 6x here (bench/RESULTS.md). precise_pv
 splits the probabilities into two bf16 terms for the PV product (float32-accurate, one more
