@@ -128,6 +128,33 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
 
 
+@triton.jit
+def _store_halves(out_ptr, part_o_ptr, part_lse_ptr, acc_even, acc_odd, m, l, h, b, sp, num_splits,
+                  H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+    """The even/odd kernels' epilogue: O^T's halves acc_even, acc_odd [D/2, GP] (running max m, sum l
+    [GP]) written interleaved, as the output (one split) or as the split's normalized partial output
+    and log-sum-exp; an empty split (past its sequence's end) writes lse -inf and zeros."""
+    GP: tl.constexpr = acc_even.shape[1]
+    g = tl.arange(0, GP)
+    i = tl.arange(0, D // 2)
+    g_mask = g < GROUP
+    heads = h * GROUP + g
+    empty = l == 0.0
+    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l))
+    if not SPLIT:
+        o_ptr = out_ptr + (b * (H * GROUP) + heads)[None, :].to(tl.int64) * D + 2 * i[:, None]  # [DH, GP]
+        dtype = out_ptr.dtype.element_ty
+        tl.store(o_ptr, paged.cast_out(acc_even * inv[None, :], dtype), mask=g_mask[None, :])
+        tl.store(o_ptr + 1, paged.cast_out(acc_odd * inv[None, :], dtype), mask=g_mask[None, :])
+    else:
+        lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
+        part = (b * (H * GROUP) + heads).to(tl.int64) * num_splits + sp  # [GP]
+        o_ptr = part_o_ptr + part[None, :] * D + 2 * i[:, None]
+        tl.store(o_ptr, acc_even * inv[None, :], mask=g_mask[None, :])
+        tl.store(o_ptr + 1, acc_odd * inv[None, :], mask=g_mask[None, :])
+        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+
+
 @triton.jit(do_not_specialize=SPLIT_ARGS)
 def _decode_fp4_kernel(
     q_ptr, out_ptr, part_o_ptr, part_lse_ptr,
@@ -191,21 +218,7 @@ def _decode_fp4_kernel(
             acc_even = paged.mma(vt_even, pt_lo, acc_even)
             acc_odd = paged.mma(vt_odd, pt_lo, acc_odd)
         m = m_new
-    heads = h * GROUP + g
-    empty = l == 0.0  # an empty split (past this sequence's end) writes lse -inf and zeros
-    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l))
-    if not SPLIT:
-        o_ptr = out_ptr + (b * (H * GROUP) + heads)[None, :].to(tl.int64) * D + 2 * i[:, None]  # [DH, GP]
-        dtype = out_ptr.dtype.element_ty
-        tl.store(o_ptr, paged.cast_out(acc_even * inv[None, :], dtype), mask=g_mask[None, :])
-        tl.store(o_ptr + 1, paged.cast_out(acc_odd * inv[None, :], dtype), mask=g_mask[None, :])
-    else:
-        lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
-        part = (b * (H * GROUP) + heads).to(tl.int64) * num_splits + sp  # [GP]
-        o_ptr = part_o_ptr + part[None, :] * D + 2 * i[:, None]
-        tl.store(o_ptr, acc_even * inv[None, :], mask=g_mask[None, :])
-        tl.store(o_ptr + 1, acc_odd * inv[None, :], mask=g_mask[None, :])
-        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+    _store_halves(out_ptr, part_o_ptr, part_lse_ptr, acc_even, acc_odd, m, l, h, b, sp, num_splits, H, GROUP, D, SPLIT)
 
 
 # Two E4M3 bytes in each 16-bit half of $2 (elements 2i, 2i+1 of a vector in each) -> fp16x2 of the even
@@ -303,21 +316,7 @@ def _decode_fp8_kernel(
         acc_even = paged.mma(tl.trans(v_even), pt, acc_even * alpha[None, :])
         acc_odd = paged.mma(tl.trans(v_odd), pt, acc_odd * alpha[None, :])
         m = m_new
-    heads = h * GROUP + g
-    empty = l == 0.0  # an empty split (past this sequence's end) writes lse -inf and zeros
-    inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l))
-    if not SPLIT:
-        o_ptr = out_ptr + (b * (H * GROUP) + heads)[None, :].to(tl.int64) * D + 2 * i[:, None]  # [DH, GP]
-        dtype = out_ptr.dtype.element_ty
-        tl.store(o_ptr, paged.cast_out(acc_even * inv[None, :], dtype), mask=g_mask[None, :])
-        tl.store(o_ptr + 1, paged.cast_out(acc_odd * inv[None, :], dtype), mask=g_mask[None, :])
-    else:
-        lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))
-        part = (b * (H * GROUP) + heads).to(tl.int64) * num_splits + sp  # [GP]
-        o_ptr = part_o_ptr + part[None, :] * D + 2 * i[:, None]
-        tl.store(o_ptr, acc_even * inv[None, :], mask=g_mask[None, :])
-        tl.store(o_ptr + 1, acc_odd * inv[None, :], mask=g_mask[None, :])
-        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+    _store_halves(out_ptr, part_o_ptr, part_lse_ptr, acc_even, acc_odd, m, l, h, b, sp, num_splits, H, GROUP, D, SPLIT)
 
 
 @triton.jit
