@@ -7,7 +7,7 @@ Each version is a copy of app/kernels/decode_fp4_gluon.py: `--baseline REV` writ
 (git show; on a machine with the repository) beside this tree's, `--modules name=file,...` names files
 (on the GPU machine, which gets the working tree and no git). Every version runs its own Launch (its
 split count from its own registers and shared memory, decode_attention's rule) and this tree's split
-merge, on the same random pages and queries (bench/kernels.py's cases, SDPA bf16 timed there too);
+merge, on the same random pages and queries (bench/kernel_timings.py's cases, SDPA bf16 timed there too);
 the versions are alternated `--rounds` times per row and the best of each kept (CUDA-graph replay
 medians). Each version's output is compared with the first's (max abs difference: 0 when a change
 only moves work around) and with float32 attention over the dequantized pages (worst relative error
@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 
 from app.kernels.attention_ref import decode_attention_ref  # noqa: E402
 from app.kernels.decode_attention import LOG2E, _merge_splits, _split_buffers, num_splits_for  # noqa: E402
-from bench.kernels import FORMATS, MODELS, bench, decode_cases, random_fp4_pages, run_info  # noqa: E402
+from bench.kernel_timings import FORMATS, MODELS, bench, decode_cases, random_fp4_pages, run_info  # noqa: E402
 from bench.fp4_variants import worst_rel_err  # noqa: E402
 
 MODULE = "app/kernels/decode_fp4_gluon.py"

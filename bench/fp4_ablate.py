@@ -38,7 +38,7 @@ module, or the same module launched differently):
                   stores kept; the merge's extra reads not counted)
 With --modules, every variant of every named copy of the module (the same textual edits must apply
 to each), named module:variant, alternated in one run. Each row also has SDPA bf16
-(bench/kernels.py's timing) and the time to read the fp4 cache once at the measured copy rate
+(bench/kernel_timings.py's timing) and the time to read the fp4 cache once at the measured copy rate
 (`floor`: all 150 bytes per token and KV head, outlier slots included, also for the variants that do
 not read them). CUDA-graph replay medians, variants alternated --rounds times per row, best of each
 kept; every variant compiled with at most 128 registers (4 programs per SM).
@@ -57,7 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.fp4_ab import Version, add_case_args, best_times, load_module, save_row  # noqa: E402
-from bench.kernels import (FORMATS, FP4_BYTES, HEAD_DIM, MODELS, copy_bandwidth,  # noqa: E402
+from bench.kernel_timings import (FORMATS, FP4_BYTES, HEAD_DIM, MODELS, copy_bandwidth,  # noqa: E402
                            decode_cases, profile_case, random_fp4_pages, run_info)
 
 MODULE = os.path.join(ROOT, "app", "kernels", "decode_fp4_gluon.py")
@@ -131,7 +131,7 @@ def make_run(name: str, mod, q, kp, vp, table, sl, scale: float, ctx: int) -> Ve
 
 
 def profile(name: str, mod, model: str, ctx: int, batch: int, calls: int = 4) -> None:
-    """One variant on one case (bench/kernels.profile_case, as bench/profile_decode.py's), called a few
+    """One variant on one case (bench/kernel_timings.profile_case, as bench/profile_decode.py's), called a few
     times for a profiler to look at."""
     q, kp, vp, table, sl = profile_case(model, ctx, batch)
     run = make_run(name, mod, q, kp, vp, table, sl, HEAD_DIM ** -0.5, ctx)

@@ -29,7 +29,7 @@ from app.kernels.attention_ref import decode_attention_ref  # noqa: E402
 from app.kernels import decode_fp4_gluon  # noqa: E402
 from bench.fp4_ab import Version, add_case_args, best_times, save_row  # noqa: E402
 from bench.fp4_variants import worst_rel_err  # noqa: E402
-from bench.kernels import (DEV, FORMATS, HEAD_DIM, MODELS, decode_cases, random_fp4_pages, run_info,  # noqa: E402
+from bench.kernel_timings import (DEV, FORMATS, HEAD_DIM, MODELS, decode_cases, random_fp4_pages, run_info,  # noqa: E402
                            shuffled_tables)
 
 KG8 = FP4Config(key_group_size=8, key_outliers=0).formats()[0]

@@ -4,7 +4,7 @@ SDPA bf16 against the fp4 decode (the default format, and key groups of 8), side
     python3 bench/fp4_layers.py [--contexts 8192,32768] [--batches 1,8,32] [--rounds 3] [--json F]
         [--budget-gb 90] [--ablate full,fixed,...] [--splits 16,32,...] [--profile]
 
-bench/kernels.py (and issue 19's targets) time ONE attention call per CUDA-graph replay, L2 cleared
+bench/kernel_timings.py (and issue 19's targets) time ONE attention call per CUDA-graph replay, L2 cleared
 before each: every time carries the timing harness (4.35 us for one tiny kernel, 6.21 us for two, in
 bench/RESULTS.md's nineteenth step), and the block table, lengths and query start cold. A decode step
 runs every layer's attention in one graph, with the block table and lengths shared by the layers (so
@@ -13,7 +13,7 @@ cache of its own (no layer reads another's K/V from L2), the query, block table 
 shared, and one graph runs `layers` calls back to back: "per layer" = replay median / layers (L2
 cleared before each replay by do_bench). `layers` = the model's (32 for 8B, 80 for 70B) or fewer where
 the caches would not fit in --budget-gb (every format's caches are resident together). The single-call
-time of layer 0 (bench/kernels.py's method) is timed beside it in the same rounds.
+time of layer 0 (bench/kernel_timings.py's method) is timed beside it in the same rounds.
 
 Every row: SDPA bf16 (contiguous K/V, its fastest backend for this shape picked on the single call, the
 same backend for the layered graph), decode_attention on default-format fp4 pages ("fp4") and on
@@ -48,7 +48,7 @@ from app.kernels import decode_fp4_gluon  # noqa: E402
 from app.kernels.decode_attention import decode_attention, num_splits_for, split_plan  # noqa: E402
 from bench.fp4_ab import add_case_args, best_times, save_row  # noqa: E402
 from bench.fp4_key_groups import KG8  # noqa: E402
-from bench.kernels import (BF16_BYTES, DEV, FORMATS, GLUON_TILE, HEAD_DIM, MODELS, best_sdpa,  # noqa: E402
+from bench.kernel_timings import (BF16_BYTES, DEV, FORMATS, GLUON_TILE, HEAD_DIM, MODELS, best_sdpa,  # noqa: E402
                            random_fp4_pages, run_info, sdpa_decode, shuffled_tables)
 
 MODEL_LAYERS = {"8B": 32, "70B-TP8": 80}

@@ -4,7 +4,7 @@
         --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \
         python3 bench/profile_decode.py --model 8B --ctx 32768 --batch 32 [--kernel gluon|triton]
 
-Pages are random valid fp4 encodings in the engine's default format (bench/kernels.py's), shuffled
+Pages are random valid fp4 encodings in the engine's default format (bench/kernel_timings.py's), shuffled
 over the cache.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernels import FORMATS, HEAD_DIM, MODELS, profile_case  # noqa: E402
+from bench.kernel_timings import FORMATS, HEAD_DIM, MODELS, profile_case  # noqa: E402
 
 from app.kernels.decode_attention import decode_attention  # noqa: E402
 

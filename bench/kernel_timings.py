@@ -1,6 +1,6 @@
 """Kernel checks and timings on one GPU (issue 4), in one run.
 
-    python3 bench/kernels.py --tune --json $OUT/kernels.json
+    python3 bench/kernel_timings.py --tune --json $OUT/kernels.json
 
 1. ceilings: device-to-device copy bandwidth (bytes read + written), measured here;
 2. checks at small sizes on realistic data: store_kv bits against the torch path, decode and
