@@ -1,6 +1,6 @@
 """The Gluon fp4 decode kernel's code-to-number variants side by side on one GPU (issue 19), in one run.
 
-    python3 bench/fp4_variants.py --json $OUT/variants.json [--skip accuracy|decode] [--variants bf16,fp16]
+    python3 experiments/fp4_variants.py --json $OUT/variants.json [--skip accuracy|decode] [--variants bf16,fp16]
 
 Variants (decode_attention's fp16= on each call; --variants picks):
   default  the committed default (decode_fp4_gluon.F16_DEFAULT);

@@ -4,7 +4,7 @@ which a step is written to the ranks' pipes (the executor's private `_send_order
 threads of torch in the worker processes (OMP_NUM_THREADS, which spawned workers inherit). A
 measurement aid for choices in app/engine/mp_executor.py.
 
-    python3 bench/tp_ab.py --kv-dtype bf16          # on 2 GPUs
+    python3 experiments/tp_ab.py --kv-dtype bf16          # on 2 GPUs
 """
 
 import argparse

@@ -4,9 +4,9 @@ splits within 3% of the least waves x tokens per split), on the same pages, the 
 per row (best of each), with SDPA bf16 as bench/kernel_timings.py times it. Rows where both rules pick the
 same count are listed without timing.
 
-    python3 bench/fp4_splits.py --contexts 1024,8192,32768,65536 --batches 1,2,4,8,16,32,64
-    python3 bench/fp4_splits.py --sweep --contexts 8192,32768 --batches 1,8,32 --json F
-    python3 bench/fp4_splits.py --fractions 0.125,0.25,0.5,1 --contexts 8192,32768,65536 --batches 1,4,8,32
+    python3 experiments/fp4_splits.py --contexts 1024,8192,32768,65536 --batches 1,2,4,8,16,32,64
+    python3 experiments/fp4_splits.py --sweep --contexts 8192,32768 --batches 1,8,32 --json F
+    python3 experiments/fp4_splits.py --fractions 0.125,0.25,0.5,1 --contexts 8192,32768,65536 --batches 1,4,8,32
 
 --fractions times the two rules' counts as a captured decode graph runs them: planned for the
 row's context (the engine plans its graphs for max_model_len) while the sequences hold only that
