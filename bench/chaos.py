@@ -41,10 +41,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.append(str(ROOT / "bench"))
 
-from servers import serve_run  # noqa: E402
-from serving import make_text  # noqa: E402
+from bench.http_load import make_text  # noqa: E402
+from bench.servers import serve_run  # noqa: E402
 
 APP = "llm"
 MODEL = "tiny-llama"
@@ -367,7 +366,7 @@ def run(args) -> dict:
 
 
 def _run(args, url: str, t_start: float) -> dict:
-    from request_fuzz import draw
+    from bench.request_fuzz import draw
 
     try:
         import ray

@@ -2,7 +2,7 @@ r"""Ours and vLLM's CPU build side by side: the product brief's load test on one
 
 Both serve the same directory (bench/peer_model.py: a random-weight HF Llama, 2 layers, hidden 128,
 a 512-token BPE; the brief's prompt is 3,247 tokens) through their OpenAI servers, one server at a
-time, and bench/serving.py's load test sends --num-requests concurrent non-streaming
+time, and bench/http_load.py's load test sends --num-requests concurrent non-streaming
 /v1/completions (temperature 0, --max-tokens tokens), first all with the same prompt, then each
 with its own (the request number prepended), each test from a fresh client; besides wall time
 and latency it reports the server's CPU seconds (the machine's busy time during the test less the
@@ -31,10 +31,10 @@ from pathlib import Path
 
 import httpx
 
-sys.path.append(str(Path(__file__).resolve().parent))  # last: bench/ must not shadow installed packages
-from peer_model import write_peer_model  # noqa: E402
-from servers import serve_run, vllm_server  # noqa: E402
-from serving import run_load_test, summarize  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.http_load import run_load_test, summarize  # noqa: E402
+from bench.peer_model import write_peer_model  # noqa: E402
+from bench.servers import serve_run, vllm_server  # noqa: E402
 
 SERVED_NAME = "peer"
 SERVERS = ("vllm", "vllm-fp8", "ours-fp4", "ours-bf16", "ours-fp8")

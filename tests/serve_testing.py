@@ -2,15 +2,12 @@
 
 import contextlib
 import os
-import sys
 import time
 from pathlib import Path
 
+from bench.servers import free_port  # the benches' server helpers
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# bench/ goes last: its module names (kernels.py among them) must not shadow installed packages
-# (transformers imports the `kernels` package)
-sys.path.append(str(REPO_ROOT / "bench"))
-from servers import free_port  # noqa: E402  (bench/servers.py: the benches' server helpers)
 
 
 @contextlib.contextmanager

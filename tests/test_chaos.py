@@ -3,14 +3,9 @@ sessions, fuzzed bodies and clients that leave mid-stream, while one replica and
 index actor are killed. The counts that must be zero are zero, and routing quality comes back
 within 30 s of the index kill. The full run and its numbers are in bench/RESULTS.md."""
 
-import sys
-
 import pytest
 
-from tests.serve_testing import REPO_ROOT
-
-sys.path.append(str(REPO_ROOT / "bench"))
-import chaos  # noqa: E402
+from bench import chaos
 
 
 # 3.5 minutes on the 2-core CI machine: the slow tier (`python -m pytest -m slow`). The default suite

@@ -181,11 +181,11 @@ def test_fp4_splits(pairs, seq_len, splits):
     assert seq_len // got >= min(FP4_SPLIT_TOKENS[-1], seq_len)
 
 
-def test_fp4_layers_plans_the_models_layers_within_the_memory_budget():
-    """bench/fp4_layers.py runs the model's layers (32 / 80) unless the three variants' caches (bf16 K+V 512,
+def test_decode_layers_plans_the_models_layers_within_the_memory_budget():
+    """bench/decode_layers.py runs the model's layers (32 / 80) unless the three variants' caches (bf16 K+V 512,
     default fp4 K+V 150, KG8 K+V 150 bytes per token and KV head: KG8 keys take the default's 81 bytes)
     would exceed the budget, then as many as fit."""
-    from bench.fp4_layers import layers_for
+    from bench.decode_layers import layers_for
 
     assert layers_for("8B", 8, 8192, 90e9) == 32
     assert layers_for("70B-TP8", 32, 32768, 90e9) == 80
@@ -211,19 +211,6 @@ def test_fp4_kernel_agrees_with_the_generic_kernel():
     fp4, ref = _run("fp4", seq_lens, 2, 4, 128, 16, num_splits=3)
     generic, _ = _run("fp4", seq_lens, 2, 4, 128, 16, num_splits=3, fp4_kernel=False)
     assert rel_err(fp4, generic) < 4e-3 and rel_err(fp4, ref) < 1e-2
-
-
-@pytest.mark.parametrize("pairs,seq_len,splits", [
-    (1, 32768, 128), (2, 32768, 64), (4, 32768, 64), (1, 65536, 128), (8, 8192, 16), (256, 32768, 2),
-    (8, 32768, 64), (32, 8192, 16), (1, 8192, 32),  # where fp4_splits now differs (bench/RESULTS.md)
-])
-def test_the_split_benchmark_keeps_the_replaced_rule(pairs, seq_len, splits):
-    """bench/fp4_splits.py times fp4_splits against the rule it replaced, kept there as it was (the
-    counts this file's tests pinned for it, 132 SMs x 4 programs, 64-token tiles)."""
-    from bench.fp4_splits import sweep_counts, whole_wave_splits
-    assert whole_wave_splits(pairs, seq_len, 64, 4, 132) == splits
-    counts = sweep_counts(seq_len, 64, splits, [])
-    assert splits in counts and counts == sorted(set(counts)) and counts[0] == 1
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp4"])

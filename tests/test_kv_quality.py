@@ -57,31 +57,3 @@ def test_nll_delta_against_bf16(stories_paths, bf16_nll, kv, fp4, lo, hi):
     assert lo <= delta <= hi, delta
 
 
-def test_key_smoothing_folded_into_the_weights_leaves_bf16_logits_exact(stories_paths, monkeypatch):
-    """bench/kv_smoothing.py divides the keys' channels by powers of two and multiplies the queries' alike,
-    folded into W_k / W_q, channels d and d + head_dim/2 (a rotate-half RoPE pair) sharing a factor: the
-    scores, so the logits over a bf16 cache, must not change by a bit, while the keys the cache is
-    given do change (or the fold did nothing)."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent))
-    from bench.kv_smoothing import fold_into_weights, smoothing_factors
-
-    model, tok = stories_paths
-    story = [s for s in EVAL.read_text().split("\n\n") if s.strip()][0]
-    llm = LLM(model=model, tokenizer=tok, kv_cache_dtype="bf16")
-    _, before = story_logits(llm, story)
-    cfg = llm.engine.model.config
-    layers, kv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-    stat = torch.randint(-4, 5, (layers, kv, d), generator=torch.Generator().manual_seed(0)).float().exp2()
-    factors = smoothing_factors(stat, 1.0)
-    assert torch.equal(factors[..., : d // 2], factors[..., d // 2:])  # RoPE pairs share a factor
-    assert torch.equal(factors.log2(), factors.log2().round()) and factors.max() / factors.min() >= 8
-    keys = []
-    store = llm.engine.kv_cache.store
-    llm.engine.kv_cache.store = lambda layer, key, *a: (keys.append(key.clone()), store(layer, key, *a))
-    story_logits(llm, story)
-    fold_into_weights(llm.engine.model, factors)
-    smoothed_keys = []
-    llm.engine.kv_cache.store = lambda layer, key, *a: (smoothed_keys.append(key.clone()), store(layer, key, *a))
-    _, after = story_logits(llm, story)
-    assert torch.equal(before, after)
-    assert torch.equal(smoothed_keys[0].float(), keys[0].float() / factors[0])  # layer 0's keys, divided exactly

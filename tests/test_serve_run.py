@@ -3,18 +3,14 @@ the CPU) in a subprocess, then the official `openai` client and the product brie
 concurrent requests) over real HTTP."""
 
 import asyncio
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.serve_testing import REPO_ROOT
-
-sys.path.append(str(REPO_ROOT / "bench"))
-from servers import serve_run  # noqa: E402
-from serving import run_load_test, summarize  # noqa: E402
+from bench.http_load import run_load_test, summarize
+from bench.servers import serve_run
 
 # The brief's 250 requests run in the slow tier (and in bench/RESULTS.md); the default suite sends
 # fewer, shorter ones so that it stays within CI's time on 2 cores: SmolLM2 prefills about 270

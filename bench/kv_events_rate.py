@@ -8,7 +8,7 @@ re-hashes every block with our chain hash and applies it to a PrefixIndex, as a 
 index do. Reports events/s published and followed (from the first publish to the last batch
 applied), and batches replayed and lost.
 
-    python bench/zmq_events.py --batches 2000 --events 50 [--publisher vllm]
+    python bench/kv_events_rate.py --batches 2000 --events 50 [--publisher vllm]
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
     sub.close()
     close()
     n = args.batches * args.events
-    print(f"`python bench/zmq_events.py {shlex.join(sys.argv[1:])}`\n")
+    print(f"`python bench/kv_events_rate.py {shlex.join(sys.argv[1:])}`\n")
     print("| publisher | events | published events/s | followed events/s (re-hashed, indexed) | batches replayed | "
           "lost | unresolved blocks | blocks in the index |")
     print("|---|---|---|---|---|---|---|---|")

@@ -1,9 +1,9 @@
 """What each part of the Gluon fp4 decode kernel costs in time: the kernel against copies of itself
 with a part taken out, side by side on one GPU (outputs of the ablated copies are wrong by design).
 
-    python3 bench/fp4_ablate.py [--contexts 8192,32768] [--batches 1,8,32] [--rounds 3] [--json F]
-        [--variants full,bare,...] [--modules tree=app/kernels/decode_fp4_gluon.py,cand=bench/ab/x.py]
-    ncu ... python3 bench/fp4_ablate.py --profile l2_bare [--model 8B --contexts 32768 --batches 32]
+    python3 experiments/fp4_ablate.py [--contexts 8192,32768] [--batches 1,8,32] [--rounds 3] [--json F]
+        [--variants full,bare,...] [--modules tree=app/kernels/decode_fp4_gluon.py,cand=experiments/ab/x.py]
+    ncu ... python3 experiments/fp4_ablate.py --profile l2_bare [--model 8B --contexts 32768 --batches 32]
         (one variant, one case, a few calls and no timing: for a profiler)
 
 Variants (each a copy of app/kernels/decode_fp4_gluon.py with one textual change, loaded as its own
@@ -38,7 +38,7 @@ module, or the same module launched differently):
                   stores kept; the merge's extra reads not counted)
 With --modules, every variant of every named copy of the module (the same textual edits must apply
 to each), named module:variant, alternated in one run. Each row also has SDPA bf16
-(bench/kernels.py's timing) and the time to read the fp4 cache once at the measured copy rate
+(bench/kernel_timings.py's timing) and the time to read the fp4 cache once at the measured copy rate
 (`floor`: all 150 bytes per token and KV head, outlier slots included, also for the variants that do
 not read them). CUDA-graph replay medians, variants alternated --rounds times per row, best of each
 kept; every variant compiled with at most 128 registers (4 programs per SM).
@@ -56,9 +56,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.fp4_ab import Version, add_case_args, best_times, load_module, save_row  # noqa: E402
-from bench.kernels import (FORMATS, FP4_BYTES, HEAD_DIM, MODELS, copy_bandwidth,  # noqa: E402
-                           decode_cases, profile_case, random_fp4_pages, run_info)
+from bench.kernel_timings import (FORMATS, FP4_BYTES, HEAD_DIM, MODELS, add_case_args, best_times,  # noqa: E402
+                                  copy_bandwidth, decode_cases, random_fp4_pages, run_info, save_row)
+from experiments.fp4_ab import Version, load_module  # noqa: E402
+from experiments.profile_decode import profile_case  # noqa: E402
 
 MODULE = os.path.join(ROOT, "app", "kernels", "decode_fp4_gluon.py")
 K_MOVES = '"mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;"'
@@ -131,8 +132,8 @@ def make_run(name: str, mod, q, kp, vp, table, sl, scale: float, ctx: int) -> Ve
 
 
 def profile(name: str, mod, model: str, ctx: int, batch: int, calls: int = 4) -> None:
-    """One variant on one case (bench/kernels.profile_case, as bench/profile_decode.py's), called a few
-    times for a profiler to look at."""
+    """One variant on one case (experiments/profile_decode.profile_case), called a few times for a
+    profiler to look at."""
     q, kp, vp, table, sl = profile_case(model, ctx, batch)
     run = make_run(name, mod, q, kp, vp, table, sl, HEAD_DIM ** -0.5, ctx)
     for _ in range(calls):

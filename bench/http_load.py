@@ -7,13 +7,13 @@ it measures time to first token (TTFT), time per output token after the first (T
 prompt / completion / cached tokens (from the usage chunk) and errors; it reports percentiles,
 throughput, the cached-token fraction, and requests per replica where a response header names one.
 
-    python bench/serving.py --url http://localhost:8000 --sessions 8 --turns 3 --session-header \
+    python bench/http_load.py --url http://localhost:8000 --sessions 8 --turns 3 --session-header \
         --system-prompt-tokens 512 --new-tokens 64:128 --max-tokens 32 --chars-per-token 1   # tiny default
 
 Load test (--load-test): --num-requests concurrent non-streaming /v1/completions with the product
 brief's prompt, temperature 0, max_tokens 128; --distinct prepends the request number to each.
 
-    python bench/serving.py --load-test --num-requests 250 [--distinct]
+    python bench/http_load.py --load-test --num-requests 250 [--distinct]
 
 Text sizes are given in tokens but made of words without a tokenizer: --chars-per-token converts
 (about 5 for Llama-3's BPE on these words, 1 for the byte tokenizer of the tiny default model).
@@ -65,7 +65,7 @@ class RequestResult:
     cached_tokens: int | None = None
     replica: str | None = None
     text: str = ""
-    prompt: str | None = None  # the completions prompt of a session turn (for an exact ideal; bench/router.py)
+    prompt: str | None = None  # the completions prompt of a session turn (for an exact ideal; bench/router_compare.py)
 
     @property
     def tpot_s(self) -> float | None:
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     model, results, wall_s = asyncio.run(run(args))
     summary = summarize(results, wall_s)
-    command = "python bench/serving.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python bench/http_load.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     mode = (f"load test, {args.num_requests} concurrent /v1/completions"
             + (", distinct prompts" if args.distinct else ", identical prompts") if args.load_test else
             f"{args.sessions} sessions x {args.turns} turns, /v1/{'chat/' if args.endpoint == 'chat' else ''}"

@@ -2,9 +2,9 @@
 
     ncu --kernel-name regex:decode --launch-skip 2 --launch-count 1 \
         --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis \
-        python3 bench/profile_decode.py --model 8B --ctx 32768 --batch 32 [--kernel gluon|triton]
+        python3 experiments/profile_decode.py --model 8B --ctx 32768 --batch 32 [--kernel gluon|triton]
 
-Pages are random valid fp4 encodings in the engine's default format (bench/kernels.py's), shuffled
+Pages are random valid fp4 encodings in the engine's default format (bench/kernel_timings.py's), shuffled
 over the cache.
 """
 
@@ -18,9 +18,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernels import FORMATS, HEAD_DIM, MODELS, profile_case  # noqa: E402
-
 from app.kernels.decode_attention import decode_attention  # noqa: E402
+from bench.kernel_timings import DEV, FORMATS, HEAD_DIM, MODELS, random_fp4_pages, shuffled_tables  # noqa: E402
+
+
+def profile_case(model: str, ctx: int, batch: int):
+    """One decode case for a profiler: (query, K pages, V pages, shuffled block table, lengths), random
+    valid fp4 encodings in the engine's default formats, every sequence `ctx` long."""
+    hq, hk = MODELS[model]
+    table, nb = shuffled_tables(batch, ctx, torch.Generator().manual_seed(0))
+    kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
+    q = torch.randn(batch, hq, HEAD_DIM, device=DEV).bfloat16()
+    sl = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    return q, kp, vp, table, sl
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ bf16 with AVX512-BF16, float32 without):
 - store: quantizing --store-tokens new tokens' K and V into fp4 / fp8 pages, ns per 64-value
   vector, extension and reference.
 
-    python bench/cpu_kernels.py --seqs 128 --ctx 3247
+    python bench/cpu_kernel_timings.py --seqs 128 --ctx 3247
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def main() -> None:
         sys.exit(f"the CPU extension is unavailable: {cpu_kernels.problem()}")
     torch.set_num_threads(1)
     has_bf16 = cpu_kernels.load().has_prefill_bf16()
-    print(f"`python bench/cpu_kernels.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}, "
+    print(f"`python bench/cpu_kernel_timings.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}, "
           f"{platform.machine()}, AVX512-BF16 flash loop: {'yes' if has_bf16 else 'no (torch kernel instead)'}, "
           f"torch {torch.__version__}, 1 thread, {str(DTYPE).removeprefix('torch.')} compute\n")
     print(f"| prefill attention ({str(DTYPE).removeprefix('torch.')}, 2 heads of 64) | torch SDPA ms | ours ms | torch GFLOP/s | ours GFLOP/s | speedup |")

@@ -1,6 +1,6 @@
 """The Gluon fp4 decode kernel's code-to-number variants side by side on one GPU (issue 19), in one run.
 
-    python3 bench/fp4_variants.py --json $OUT/variants.json [--skip accuracy|decode] [--variants bf16,fp16]
+    python3 experiments/fp4_variants.py --json $OUT/variants.json [--skip accuracy|decode] [--variants bf16,fp16]
 
 Variants (decode_attention's fp16= on each call; --variants picks):
   default  the committed default (decode_fp4_gluon.F16_DEFAULT);
@@ -11,7 +11,7 @@ Variants (decode_attention's fp16= on each call; --variants picks):
    and against the Triton fp4 kernel, per (sequence, query head), as tests/test_kernels_gluon.py
    checks them (bound 1e-2), plus values scaled by 1e4 and 1e-4 (the fp16 probabilities' range);
 2. decode ms: SDPA bf16 (fastest backend) and each variant on the same pages, Llama-3.1-8B per GPU
-   (32 q / 8 KV heads) and 70B at TP 8 (8 / 1), as bench/kernels.py times them; at batch 1 and 32k,
+   (32 q / 8 KV heads) and 70B at TP 8 (8 / 1), as bench/kernel_timings.py times them; at batch 1 and 32k,
    the default at other split counts (fewer, longer splits), and its kernel and its split merge
    (decode_attention._merge_splits) timed apart.
 """
@@ -32,7 +32,7 @@ from app.kernels import decode_fp4_gluon  # noqa: E402
 from app.kernels.attention_ref import decode_attention_ref  # noqa: E402
 from app.kernels.decode_attention import _merge_splits, _split_buffers, decode_attention, num_splits_for  # noqa: E402
 from app.kernels.fp4 import FP4Format  # noqa: E402
-from bench.kernels import (DEV, FORMATS, FP4_BYTES, GLUON_TILE, MODELS, bench,  # noqa: E402
+from bench.kernel_timings import (DEV, FORMATS, FP4_BYTES, GLUON_TILE, MODELS, bench,  # noqa: E402
                            copy_bandwidth, decode_cases, random_fp4_pages, run_info)
 from kernels_testing import cuda_fp4_pages  # noqa: E402
 

@@ -1,13 +1,13 @@
 """The Gluon fp4 decode kernel of this tree against other versions of it, side by side on one GPU.
 
-    python3 bench/fp4_ab.py --baseline HEAD~1 [--contexts 8192,32768] [--batches 1,8,32] [--json F]
-    python3 bench/fp4_ab.py --modules old=path/a.py,new=app/kernels/decode_fp4_gluon.py
+    python3 experiments/fp4_ab.py --baseline HEAD~1 [--contexts 8192,32768] [--batches 1,8,32] [--json F]
+    python3 experiments/fp4_ab.py --modules old=path/a.py,new=app/kernels/decode_fp4_gluon.py
 
 Each version is a copy of app/kernels/decode_fp4_gluon.py: `--baseline REV` writes that revision's
 (git show; on a machine with the repository) beside this tree's, `--modules name=file,...` names files
 (on the GPU machine, which gets the working tree and no git). Every version runs its own Launch (its
 split count from its own registers and shared memory, decode_attention's rule) and this tree's split
-merge, on the same random pages and queries (bench/kernels.py's cases, SDPA bf16 timed there too);
+merge, on the same random pages and queries (bench/kernel_timings.py's cases, SDPA bf16 timed there too);
 the versions are alternated `--rounds` times per row and the best of each kept (CUDA-graph replay
 medians). Each version's output is compared with the first's (max abs difference: 0 when a change
 only moves work around) and with float32 attention over the dequantized pages (worst relative error
@@ -34,8 +34,9 @@ sys.path.insert(0, ROOT)
 
 from app.kernels.attention_ref import decode_attention_ref  # noqa: E402
 from app.kernels.decode_attention import LOG2E, _merge_splits, _split_buffers, num_splits_for  # noqa: E402
-from bench.kernels import FORMATS, MODELS, bench, decode_cases, random_fp4_pages, run_info  # noqa: E402
-from bench.fp4_variants import worst_rel_err  # noqa: E402
+from bench.kernel_timings import (FORMATS, MODELS, add_case_args, bench, best_times, decode_cases,  # noqa: E402
+                                  random_fp4_pages, run_info, save_row)
+from experiments.fp4_variants import worst_rel_err  # noqa: E402
 
 MODULE = "app/kernels/decode_fp4_gluon.py"
 
@@ -55,34 +56,6 @@ def revision_file(rev: str, out_dir: str) -> str:
     with open(path, "w") as f:
         f.write(src)
     return path
-
-
-def add_case_args(ap: argparse.ArgumentParser, rounds: int) -> None:
-    """The options this script and bench/fp4_ablate.py share: which cases, how many rounds, where to write."""
-    ap.add_argument("--contexts", default="8192,32768")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--rounds", type=int, default=rounds)
-    ap.add_argument("--json", default=None)
-
-
-def save_row(results: dict, row: dict, path: str | None) -> None:
-    """A finished row: into results, printed as JSON, results rewritten to `path` (if given)."""
-    torch.cuda.empty_cache()
-    results["rows"].append(row)
-    print(json.dumps(row), flush=True)
-    if path:
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-
-
-def best_times(runs: dict, rounds: int) -> dict:
-    """Each callable's best bench() time (ms) over `rounds` rounds, the callables alternated within a round so
-    that the machine's drift reaches them alike."""
-    best = {n: float("inf") for n in runs}
-    for _ in range(rounds):
-        for n, fn in runs.items():
-            best[n] = min(best[n], bench(fn))
-    return best
 
 
 class Version:

@@ -1,6 +1,6 @@
 """Kernel checks and timings on one GPU (issue 4), in one run.
 
-    python3 bench/kernels.py --tune --json $OUT/kernels.json
+    python3 bench/kernel_timings.py --tune --json $OUT/kernels.json
 
 1. ceilings: device-to-device copy bandwidth (bytes read + written), measured here;
 2. checks at small sizes on realistic data: store_kv bits against the torch path, decode and
@@ -48,6 +48,7 @@ from app.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 
 DEV = torch.device("cuda")
 FORMATS = FP4Config().formats()
+KG8 = FP4Config(key_group_size=8, key_outliers=0).formats()[0]  # the key-groups-of-8 option's key format
 HEAD_DIM = 128
 BLOCK = 16
 MODELS = {"8B": (32, 8), "70B-TP8": (8, 1)}  # (q heads, KV heads) per GPU
@@ -86,6 +87,35 @@ def host_us(fn, calls: int = 200) -> float:
     return (time.perf_counter() - t) / calls * 1e6
 
 
+def best_times(runs: dict, rounds: int) -> dict:
+    """Each callable's best bench() time (ms) over `rounds` rounds, the callables alternated within a round so
+    that the machine's drift reaches them alike."""
+    best = {n: float("inf") for n in runs}
+    for _ in range(rounds):
+        for n, fn in runs.items():
+            best[n] = min(best[n], bench(fn))
+    return best
+
+
+def add_case_args(ap: argparse.ArgumentParser, rounds: int) -> None:
+    """The options of the decode benchmarks that time cases side by side: which cases, how many rounds,
+    where to write."""
+    ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--json", default=None)
+
+
+def save_row(results: dict, row: dict, path: str | None) -> None:
+    """A finished row: into results, printed as JSON, results rewritten to `path` (if given)."""
+    torch.cuda.empty_cache()
+    results["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def run_info(**extra) -> dict:
     """The header of a benchmark's results: the GPU, its SM count, torch, Triton, the date (+ extra)."""
     props = torch.cuda.get_device_properties(DEV)
@@ -122,17 +152,6 @@ def random_fp4_pages(num_blocks: int, heads: int, fmt: fp4.FP4Format) -> fp4.FP4
         out_vals=torch.randn(*shape, fmt.outliers, device=DEV).bfloat16(),
         out_idx=torch.randint(0, HEAD_DIM, (*shape, fmt.outliers), dtype=torch.uint8, device=DEV),
     )
-
-
-def profile_case(model: str, ctx: int, batch: int):
-    """One decode case for a profiler: (query, K pages, V pages, shuffled block table, lengths), random
-    valid fp4 encodings in the engine's default formats, every sequence `ctx` long."""
-    hq, hk = MODELS[model]
-    table, nb = shuffled_tables(batch, ctx, torch.Generator().manual_seed(0))
-    kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
-    q = torch.randn(batch, hq, HEAD_DIM, device=DEV).bfloat16()
-    sl = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-    return q, kp, vp, table, sl
 
 
 def realistic(batch: int, ctx: int, heads: int, gen_seed: int):

@@ -2,7 +2,7 @@
 outlier slots) and key groups of 8 without slots (81 bytes per key vector at head_dim 128 either way;
 FP4Config(key_group_size=8, key_outliers=0)), side by side on one GPU.
 
-    python3 bench/fp4_key_groups.py [--contexts 8192,32768] [--batches 1,8,32] [--rounds 3] [--json F]
+    python3 experiments/fp4_key_groups.py [--contexts 8192,32768] [--batches 1,8,32] [--rounds 3] [--json F]
 
 Timed: the kernel on default-format pages ("tree"), on the same pages launched without slots ("tree0",
 wrong by design: what the slots cost), and on pages of the g8 format ("kg8": the KG8 build, a token's 16
@@ -24,15 +24,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from app.config import FP4Config  # noqa: E402
 from app.kernels.attention_ref import decode_attention_ref  # noqa: E402
 from app.kernels import decode_fp4_gluon  # noqa: E402
-from bench.fp4_ab import Version, add_case_args, best_times, save_row  # noqa: E402
-from bench.fp4_variants import worst_rel_err  # noqa: E402
-from bench.kernels import (DEV, FORMATS, HEAD_DIM, MODELS, decode_cases, random_fp4_pages, run_info,  # noqa: E402
-                           shuffled_tables)
-
-KG8 = FP4Config(key_group_size=8, key_outliers=0).formats()[0]
+from bench.kernel_timings import (DEV, FORMATS, HEAD_DIM, KG8, MODELS, add_case_args, best_times,  # noqa: E402
+                                  decode_cases, random_fp4_pages, run_info, save_row, shuffled_tables)
+from experiments.fp4_ab import Version  # noqa: E402
+from experiments.fp4_variants import worst_rel_err  # noqa: E402
 
 
 def versions(q, pages, table, sl, ctx):

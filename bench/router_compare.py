@@ -3,7 +3,7 @@
 Starts a local Ray + Serve, deploys serve_config.yaml with `--replicas` LLMServer replicas, once
 with the KV-aware router and once with `router.enabled: false` (Ray Serve's default), fresh
 replicas each time, and drives the same multi-turn agent swarm through HTTP against both
-(bench/serving.py's session generator, same seed): every session shares a system prompt, and
+(bench/http_load.py's session generator, same seed): every session shares a system prompt, and
 each turn appends the previous answer plus new text.
 
 Reports per router: cached-token fraction (prompt tokens served from the prefix cache), the
@@ -11,8 +11,8 @@ ideal fraction (every turn after a session's first fully cached up to its previo
 blocks; first turns up to the end of the shared system prompt), TTFT p50/p99, total time, and requests per replica (max/mean, from the replicas' own
 counters).
 
-    python bench/router.py --replicas 4 --sessions 48 --turns 6
-    python bench/router.py --backend vllm --model DIR --replicas 3 --sessions 12 --turns 4   # vLLM replicas
+    python bench/router_compare.py --replicas 4 --sessions 48 --turns 6
+    python bench/router_compare.py --backend vllm --model DIR --replicas 3 --sessions 12 --turns 4   # vLLM replicas
 
 `--backend vllm` runs vLLM replicas (engine.backend: vllm; vLLM installed in this environment)
 on `--model` (a Hugging Face directory, e.g. bench/peer_model.py's), pages of 32 tokens, bf16 KV.
@@ -36,9 +36,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.append(str(ROOT / "bench"))  # last: bench/ must not shadow installed packages
 
-from serving import SessionWorkload, percentile, run_sessions  # noqa: E402
+from bench.http_load import SessionWorkload, percentile, run_sessions  # noqa: E402
 
 APP = "llm"
 
@@ -137,7 +136,7 @@ def ideal_for(results, args, w: SessionWorkload) -> int:
     import random
 
     from app.engine.tokenizer import load_tokenizer
-    from serving import make_text
+    from bench.http_load import make_text
 
     tokenizer = load_tokenizer(args.model)
     system_prompt = make_text(random.Random(f"{w.seed}-system"), w.system_prompt_tokens, w.chars_per_token)
@@ -258,7 +257,7 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    command = "python bench/router.py " + shlex.join(sys.argv[1:])
+    command = "python bench/router_compare.py " + shlex.join(sys.argv[1:])
     if args.json:
         Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     kv_format = "bf16 (vLLM)" if args.backend == "vllm" else args.kv_cache_dtype

@@ -1,6 +1,6 @@
 """Key smoothing folded into W_q / W_k against the fp4 key outlier slots, on SmolLM2's real K/V.
 
-The fp4 cache keeps 4 outlier slots per key vector (bench/RESULTS.md: 6-14% of the Gluon decode
+The fp4 cache keeps 4 outlier slots per key vector (docs/history.md: 6-14% of the Gluon decode
 kernel's time, issue 19). Key outliers in Llama-class models sit largely in a few channels, and a
 per-channel factor c moves them into the query where no cache format sees them: keys / c, queries
 x c, the scores unchanged (QServe's SmoothAttention, Lin et al. 2024, arXiv:2405.04532). With
@@ -15,22 +15,25 @@ bench/kv_quality.py's held-out windows, which come from the first), c = stat^alp
 geometric mean of 1 per head (stat: absmax or rms per channel pair), then the held-out NLL through the
 engine's prompt logprobs exactly as bench/kv_quality.py section 5.
 
-    python bench/kv_smoothing.py --runs "bf16|none;fp4 DEFAULT: +4 out K g32, V g32, search|none;..."
+    python experiments/kv_smoothing.py --runs "bf16|none;fp4 DEFAULT: +4 out K g32, V g32, search|none;..."
 
-A run is "<bench/kv_quality.py variant name>|<none | absmax:ALPHA | rms:ALPHA>". Results: bench/RESULTS.md.
+A run is "<bench/kv_quality.py variant name>|<none | absmax:ALPHA | rms:ALPHA>". Results: docs/history.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from app import LLM, SamplingParams
-from bench.kv_quality import VARIANTS, heldout_scores, heldout_windows, log, real_model_llm
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app import LLM, SamplingParams  # noqa: E402
+from bench.kv_quality import VARIANTS, heldout_scores, heldout_windows, log, real_model_llm  # noqa: E402
 
 
 def key_statistics(llm: LLM, windows: list[list[int]]) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Compile the decode kernels for sm_90 on any machine (no GPU) and count their instructions.
 
-    python bench/kernel_sass.py [--triton-path DIR] [--only Gluon] [--json]
+    python experiments/kernel_sass.py [--triton-path DIR] [--only Gluon] [--json]
 
 Triton compiles for a target it is given, and its wheel carries ptxas and cuobjdump, so the
 machine code of a kernel can be read without a GPU (Gluon kernels too). For each decode kernel
@@ -8,7 +8,7 @@ and shape this prints registers and stack (spill) bytes per thread and the instr
 main loop (the largest backward branch), per thread and per (token, KV head): loop instructions x
 warps / tokens per loop iteration (tiles per iteration x tokens per tile), the figure to hold
 against the ~36 warp instructions per (token, KV head) that streaming fp4's 150 bytes at the copy
-rate leaves (4 issue slots per cycle per SM, bench/RESULTS.md). Compile with the Triton the GPU
+rate leaves (4 issue slots per cycle per SM, docs/history.md). Compile with the Triton the GPU
 machine runs (3.6 there: pip install --target DIR triton==3.6.0, then --triton-path DIR); other
 versions give other code. A Gluon build's query loads are chosen as Launch chooses them for that build:
 16-byte loads where it fits in 128 registers without spilling, else two-byte loads ("q 2-byte" in the
@@ -130,7 +130,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--triton-path", default=None, help="a directory holding the Triton to compile with")
     ap.add_argument("--only", default=None, help="only the kernels whose name contains this (e.g. Gluon)")
-    ap.add_argument("--json", action="store_true", help="print one JSON line per kernel and shape (for tests)")
+    ap.add_argument("--json", action="store_true", help="print one JSON line per kernel and shape")
     args = ap.parse_args()
     if args.triton_path:
         sys.path.insert(0, args.triton_path)

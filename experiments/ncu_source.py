@@ -1,18 +1,18 @@
 """Summarize Nsight Compute's per-instruction (source page) counters of one kernel: where warps wait.
 
-On the GPU machine (bench/profile_decode.py runs one decode a few times):
+On the GPU machine (experiments/profile_decode.py runs one decode a few times):
 
     ncu --clock-control none --kernel-name regex:gluon --launch-skip 2 --launch-count 1 \
         --section SourceCounters --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis_Tables --section Occupancy --section LaunchStats \
         --section SpeedOfLight --import-source no -o prof -f \
-        python3 bench/profile_decode.py --model 8B --ctx 32768 --batch 32
+        python3 experiments/profile_decode.py --model 8B --ctx 32768 --batch 32
     ncu -i prof.ncu-rep --page source --csv --print-source sass > prof.csv
 
-then anywhere: python bench/ncu_source.py prof.csv [--top 25]
+then anywhere: python experiments/ncu_source.py prof.csv [--top 25]
 
 Prints the stall reasons over all samples, the share of samples before, inside and after the main
-loop (bench/kernel_sass.main_loop: the largest backward branch without the kernel's EXIT in its
+loop (experiments/kernel_sass.main_loop: the largest backward branch without the kernel's EXIT in its
 range, among those with MMAs if any), the instructions with the most samples and their main reasons,
 and the global and shared accesses by sectors / wavefronts with their ideal fraction.
 """
@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernel_sass import main_loop, opcode  # noqa: E402
+from experiments.kernel_sass import main_loop, opcode  # noqa: E402
 
 
 def number(x: str) -> float:

@@ -6,7 +6,7 @@ the default KV formats: keys 4 outlier slots, both groups of 32, 4 scale targets
 thread, the two builds alternated --rounds times, and reports the best ns per 64-value vector of
 each and their ratio. Both builds' pages must be byte-equal (the script stops otherwise).
 
-    python bench/cpu_store_ab.py --baseline HEAD --tokens 4096 --rounds 5
+    python experiments/cpu_store_ab.py --baseline HEAD --tokens 4096 --rounds 5
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load as build
 
-from app.engine.kv_cache import DEFAULT_FP4_FORMATS, KVCacheSpec, create_kv_cache
-from app.kernels import cpu_kernels
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from app.engine.kv_cache import DEFAULT_FP4_FORMATS, KVCacheSpec, create_kv_cache  # noqa: E402
+from app.kernels import cpu_kernels  # noqa: E402
 H, D, BS = 2, 64, 16  # the peer model's KV heads and head_dim, the serve config's block size
 
 
@@ -77,7 +78,7 @@ def main() -> None:
             if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
                 sys.exit(f"{side}: the two builds' pages differ")
     vectors = args.tokens * H
-    print(f"\n`python bench/cpu_store_ab.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}, one thread\n")
+    print(f"\n`python experiments/cpu_store_ab.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}, one thread\n")
     print(f"| side | {args.baseline} ns/vector | this tree ns/vector | this tree / {args.baseline} |")
     print("|---|---|---|---|")
     for side in "KV":

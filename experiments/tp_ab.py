@@ -4,7 +4,7 @@ which a step is written to the ranks' pipes (the executor's private `_send_order
 threads of torch in the worker processes (OMP_NUM_THREADS, which spawned workers inherit). A
 measurement aid for choices in app/engine/mp_executor.py.
 
-    python3 bench/tp_ab.py --kv-dtype bf16          # on 2 GPUs
+    python3 experiments/tp_ab.py --kv-dtype bf16          # on 2 GPUs
 """
 
 import argparse
@@ -14,9 +14,8 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # last: bench/ must not shadow installed packages
 from app import LLM  # noqa: E402
-from tp_gpu import decode_rate  # noqa: E402
+from bench.tp_gpu import decode_rate  # noqa: E402
 
 VARIANTS = {  # name -> (worker OMP_NUM_THREADS or None for torch's default, send order)
     "threads default, rank 0 first": (None, [0, 1]),

@@ -1,12 +1,12 @@
 """The fp4 decode's split rule on the GPU: the default (decode_attention.fp4_splits, the cheapest split
 count by the busiest SM's work) against the rule it replaced (`whole_wave_splits` below: the fewest
 splits within 3% of the least waves x tokens per split), on the same pages, the two alternated twice
-per row (best of each), with SDPA bf16 as bench/kernels.py times it. Rows where both rules pick the
+per row (best of each), with SDPA bf16 as bench/kernel_timings.py times it. Rows where both rules pick the
 same count are listed without timing.
 
-    python3 bench/fp4_splits.py --contexts 1024,8192,32768,65536 --batches 1,2,4,8,16,32,64
-    python3 bench/fp4_splits.py --sweep --contexts 8192,32768 --batches 1,8,32 --json F
-    python3 bench/fp4_splits.py --fractions 0.125,0.25,0.5,1 --contexts 8192,32768,65536 --batches 1,4,8,32
+    python3 experiments/fp4_splits.py --contexts 1024,8192,32768,65536 --batches 1,2,4,8,16,32,64
+    python3 experiments/fp4_splits.py --sweep --contexts 8192,32768 --batches 1,8,32 --json F
+    python3 experiments/fp4_splits.py --fractions 0.125,0.25,0.5,1 --contexts 8192,32768,65536 --batches 1,4,8,32
 
 --fractions times the two rules' counts as a captured decode graph runs them: planned for the
 row's context (the engine plans its graphs for max_model_len) while the sequences hold only that
@@ -28,7 +28,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import kernels as K  # noqa: E402 (bench/kernels.py: cases, pages, timing)
+from bench import kernel_timings as K  # noqa: E402 (bench/kernel_timings.py: cases, pages, timing)
 
 from app.kernels import decode_fp4_gluon  # noqa: E402
 from app.kernels.decode_attention import (  # noqa: E402
@@ -51,7 +51,7 @@ def whole_wave_splits(pairs: int, seq_len: int, block_n: int, programs_per_sm: i
 
 
 def cases(args):
-    """bench/kernels.py's decode cases for --contexts and --batches, each with its random fp4 pages
+    """bench/kernel_timings.py's decode cases for --contexts and --batches, each with its random fp4 pages
     and the Gluon kernel's programs per SM: (row, q, table, sl, scale, pages, pps), pages the list
     [K pages, V pages] (decode_attention(q, *pages, ...)), emptied before the next case so that its
     memory is free for the next one's."""

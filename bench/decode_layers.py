@@ -1,30 +1,27 @@
 """Decode attention per layer as a decode step runs it: many layers back to back in one CUDA graph,
 SDPA bf16 against the fp4 decode (the default format, and key groups of 8), side by side on one GPU.
 
-    python3 bench/fp4_layers.py [--contexts 8192,32768] [--batches 1,8,32] [--rounds 3] [--json F]
-        [--budget-gb 90] [--ablate full,fixed,...] [--splits 16,32,...] [--profile]
+    python3 bench/decode_layers.py [--contexts 8192,32768] [--batches 1,8,32] [--rounds 3] [--json F]
+        [--budget-gb 90] [--splits 16,32,...] [--profile]
 
-bench/kernels.py (and issue 19's targets) time ONE attention call per CUDA-graph replay, L2 cleared
-before each: every time carries the timing harness (4.35 us for one tiny kernel, 6.21 us for two, in
-bench/RESULTS.md's nineteenth step), and the block table, lengths and query start cold. A decode step
-runs every layer's attention in one graph, with the block table and lengths shared by the layers (so
-warm in L2 after the first) and the query just written by the layer's RoPE. Here each layer has a
+bench/kernel_timings.py times ONE attention call per CUDA-graph replay, L2 cleared before each: every
+time carries the timing harness (about 4.4 us for one tiny kernel, 6.2 us for two, on an H200), and the
+block table, lengths and query start cold. A decode step runs every layer's attention in one graph, with
+the block table and lengths shared by the layers (so warm in L2 after the first) and the query just
+written by the layer's RoPE. Here each layer has a
 cache of its own (no layer reads another's K/V from L2), the query, block table and lengths are
 shared, and one graph runs `layers` calls back to back: "per layer" = replay median / layers (L2
 cleared before each replay by do_bench). `layers` = the model's (32 for 8B, 80 for 70B) or fewer where
 the caches would not fit in --budget-gb (every format's caches are resident together). The single-call
-time of layer 0 (bench/kernels.py's method) is timed beside it in the same rounds.
+time of layer 0 (bench/kernel_timings.py's method) is timed beside it in the same rounds.
 
 Every row: SDPA bf16 (contiguous K/V, its fastest backend for this shape picked on the single call, the
 same backend for the layered graph), decode_attention on default-format fp4 pages ("fp4") and on
 KG8 pages ("kg8": FP4Config(key_group_size=8, key_outliers=0)), each variant on caches of its own. The
-layered graph of SDPA, fp4, kg8 and the --splits variants is checked against the last layer's call alone
-(the same output: a graph that ran something else would show; the --ablate variants' outputs are wrong by
-design and write into buffers an eager call already filled, so they are not checked).
---ablate adds bench/fp4_ablate.py's variants (copies of the kernel with a part taken out, e.g. `fixed`: no
-tile attended; `no_merge`: the decode kernel without the split merge) on the default-format pages, so that
-what a call costs whatever its length is measured per layer too. --splits adds the default format with
-other split counts than decode_attention plans (`fp4_planned_splits`). --profile adds, per variant, what the
+layered graph of every variant is checked against the last layer's call alone (the same output: a graph
+that ran something else would show). --splits adds the default format with other split counts than
+decode_attention plans (`fp4_planned_splits`). experiments/fp4_layers_ablate.py adds copies of the kernel
+with a part taken out, through `run`'s `extra`. --profile adds, per variant, what the
 profiler records of three replays of its layered graph: each kernel's device time per layer, their sum,
 and the span from the first kernel's start to the last one's end (the difference is time between
 kernels: launch gaps and dependency waits, and whatever the profiler's own tracing adds; span and sum
@@ -37,7 +34,6 @@ import argparse
 import math
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -46,10 +42,9 @@ sys.path.insert(0, ROOT)
 
 from app.kernels import decode_fp4_gluon  # noqa: E402
 from app.kernels.decode_attention import decode_attention, num_splits_for, split_plan  # noqa: E402
-from bench.fp4_ab import add_case_args, best_times, save_row  # noqa: E402
-from bench.fp4_key_groups import KG8  # noqa: E402
-from bench.kernels import (BF16_BYTES, DEV, FORMATS, GLUON_TILE, HEAD_DIM, MODELS, best_sdpa,  # noqa: E402
-                           random_fp4_pages, run_info, sdpa_decode, shuffled_tables)
+from bench.kernel_timings import (BF16_BYTES, DEV, FORMATS, GLUON_TILE, HEAD_DIM, KG8, MODELS,  # noqa: E402
+                                  add_case_args, best_sdpa, best_times, random_fp4_pages, run_info, save_row,
+                                  sdpa_decode, shuffled_tables)
 
 MODEL_LAYERS = {"8B": 32, "70B-TP8": 80}
 
@@ -115,14 +110,6 @@ def split_layers(splits: int, base: Layers, q, table, sl, ctx):
     return Layers(base.n, lambda i: decode_attention(q, *base.pages[i], table, sl, scale, ctx, fmts, num_splits=splits))
 
 
-def ablated_layers(name: str, mod, base: Layers, q, table, sl, ctx):
-    """bench/fp4_ablate.py's variant `name` (its module `mod`) on base's pages, one Version per layer."""
-    from bench.fp4_ablate import make_run
-
-    runs = [make_run(name, mod, q, kp, vp, table, sl, HEAD_DIM ** -0.5, ctx) for kp, vp in base.pages]
-    return Layers(base.n, lambda i: runs[i]())
-
-
 def captured(fn):
     """(a CUDA graph of fn, replayed once, and fn's output in the graph's memory), fn run eagerly first."""
     fn()
@@ -143,12 +130,13 @@ def graph_output(fn) -> torch.Tensor:
     return out
 
 
-def time_row(variants: dict, rounds: int) -> dict:
+def time_row(variants: dict, rounds: int, unchecked=()) -> dict:
     """Each variant's single call (layer 0) and whole layered graph, alternated `rounds` times, best of each;
-    the layered graph's last output against the last layer's call alone (not for the ablate_ variants)."""
+    the layered graph's last output against the last layer's call alone (not for the `unchecked` variants,
+    whose output nothing can be compared with)."""
     row = {}
     for name, lay in variants.items():
-        if name.startswith("ablate_"):  # wrong by design, into a Version's own buffer: nothing to compare
+        if name in unchecked:
             continue
         alone = lay.call(lay.n - 1).float()
         row[f"{name}_layered_max_abs_diff"] = (graph_output(lay).float() - alone).abs().max().item()
@@ -205,8 +193,8 @@ def print_table(rows) -> None:
               f"{r['sdpa_per_layer_ms']:.4f} | {r['fp4_single_ms']:.4f} | {r['fp4_per_layer_ms']:.4f} | "
               f"{r['kg8_per_layer_ms']:.4f} | {r['fp4_single_vs_sdpa']:.2f}x | {r['fp4_per_layer_vs_sdpa']:.2f}x | "
               f"{r['kg8_per_layer_vs_sdpa']:.2f}x |")
-    extra = sorted({k[:-len("_per_layer_ms")] for r in rows for k in r if k.startswith(("ablate_", "splits_"))
-                    and k.endswith("_per_layer_ms")}, key=lambda e: (e.startswith("splits_"), len(e), e))
+    extra = sorted({k[:-len("_per_layer_ms")] for r in rows for k in r if k.endswith("_per_layer_ms")}
+                   - {"sdpa", "fp4", "kg8"}, key=lambda e: (e.startswith("splits_"), len(e), e))
     if extra:
         cols = " | ".join(f"{e} per layer ms (vs fp4)" for e in extra)
         print(f"\n| model | ctx | batch | fp4 per layer ms | {cols} |")
@@ -229,27 +217,21 @@ def print_table(rows) -> None:
                       f"{pr['span_us'] - pr['busy_us']:.2f} | {ks} |")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str = __doc__) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_case_args(ap, rounds=3)
     ap.add_argument("--budget-gb", type=float, default=90.0, help="device memory for the layers' caches")
-    ap.add_argument("--ablate", default="",
-                    help="also bench/fp4_ablate.py's variants (e.g. full,fixed,no_merge) on the default pages")
     ap.add_argument("--splits", default="",
                     help="also the default format with these split counts (e.g. 16,32,64,128) instead of the plan's")
     ap.add_argument("--profile", action="store_true",
                     help="also each variant's kernels per layer from the profiler (device time, gaps)")
-    args = ap.parse_args()
-    results = run_info(rows=[], budget_gb=args.budget_gb, ablate=args.ablate)
-    ablate = {}
-    if args.ablate:
-        from bench.fp4_ablate import VARIANTS, ablated_module
+    return ap
 
-        unknown = sorted(set(args.ablate.split(",")) - set(VARIANTS))
-        if unknown:
-            ap.error(f"--ablate: unknown variants {unknown} (bench/fp4_ablate.py has {sorted(VARIANTS)})")
-        tmp = tempfile.mkdtemp()
-        ablate = {n: ablated_module(n, VARIANTS[n][0], tmp) for n in args.ablate.split(",")}
+
+def run(args, extra=None, unchecked=(), **info) -> dict:
+    """Every (model, context, batch) row of args; `extra(variants, q, table, seq_lens, ctx)` may add variants
+    (name -> Layers) built on the others' pages, `unchecked` names those whose output is not comparable."""
+    results = run_info(rows=[], budget_gb=args.budget_gb, **info)
     gen = torch.Generator().manual_seed(0)
     for model, (hq, hk) in MODELS.items():
         for ctx in [int(c) for c in args.contexts.split(",")]:
@@ -261,8 +243,8 @@ def main() -> None:
                 sdpa, backend = sdpa_layers(q, batch, hk, ctx, n)
                 variants = {"sdpa": sdpa, "fp4": fp4_layers(q, table, sl, nb, hk, ctx, n, FORMATS[0]),
                             "kg8": fp4_layers(q, table, sl, nb, hk, ctx, n, KG8)}
-                for name, mod in ablate.items():
-                    variants[f"ablate_{name}"] = ablated_layers(name, mod, variants["fp4"], q, table, sl, ctx)
+                if extra is not None:
+                    variants.update(extra(variants, q, table, sl, ctx))
                 planned = rule_splits(q, variants["fp4"], table, sl, ctx)
                 launched = {split_plan(ctx, planned, GLUON_TILE)[1]}
                 for k in [int(x) for x in args.splits.split(",") if x]:
@@ -271,12 +253,17 @@ def main() -> None:
                         launched.add(k)
                         variants[f"splits_{k}"] = split_layers(k, variants["fp4"], q, table, sl, ctx)
                 row = {"model": model, "ctx": ctx, "batch": batch, "layers": n, "sdpa_backend": backend,
-                       "fp4_planned_splits": planned, **time_row(variants, args.rounds)}
+                       "fp4_planned_splits": planned, **time_row(variants, args.rounds, unchecked)}
                 if args.profile:
                     row.update({f"{name}_profile": kernel_profile(lay) for name, lay in variants.items()})
                 del variants, sdpa  # every layer's caches (no other reference holds them)
                 save_row(results, row, args.json)
     print_table(results["rows"])
+    return results
+
+
+def main() -> None:
+    run(parser().parse_args())
 
 
 if __name__ == "__main__":
