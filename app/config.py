@@ -217,9 +217,11 @@ class PlacementConfig(BaseModel):
 class ServerConfig(BaseModel):
     """Settings of the application `serve run serve_config.yaml` builds (the `args:` of the YAML).
 
-    Deployment options (num_replicas, ray_actor_options, max_ongoing_requests, ...) go under
-    `deployments:` of the YAML, by deployment name (LLMServer, OpenAIIngress), the standard Ray
-    Serve way; what is set there wins over what the builder derives from these settings.
+    The builder (app/deployments/builder.py) derives every Ray Serve option of the deployments from
+    these. An option set under `deployments:` of the YAML, by deployment name (LLMServer,
+    OpenAIIngress, KVIndex), the standard Ray Serve way, wins over the derived one: num_replicas
+    (1 by default), ray_actor_options, max_ongoing_requests, ...; a `request_router_config` there
+    replaces the one derived from `router`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
