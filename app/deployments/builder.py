@@ -105,8 +105,14 @@ def with_serve_env(config: ServerConfig, actor_options: dict) -> dict:
 
 
 def build_app(args: dict | ServerConfig | None = None) -> Application:
-    """The application `serve run` deploys; `args` are the `args:` of serve_config.yaml."""
+    """The application `serve run` deploys; `args` are the `args:` of serve_config.yaml.
+
+    Settings that cannot work together raise UnsupportedSettingError here, naming each, so that
+    `serve run` fails at once rather than in replicas that Serve restarts again and again."""
+    from app.engine.setting_checks import check_settings
+
     config = ServerConfig.model_validate(args or {})
+    check_settings(config.engine)
     engine = config.engine
     placement = placement_options(config)
     placement["ray_actor_options"] = with_serve_env(config, placement["ray_actor_options"])

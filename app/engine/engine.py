@@ -24,6 +24,7 @@ from app.engine.outputs import RequestMetrics, RequestOutput
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerOutput, check_prompt_ids
 from app.engine.sequence import Sequence, SequenceStatus
+from app.engine.setting_checks import check_settings
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class LLMEngine:
         if config.backend != "native":
             raise ValueError(f"LLMEngine is the native backend; engine.backend {config.backend!r} runs in an "
                              "LLMServer replica (app/engine/vllm_engine.py)")
+        check_settings(config)  # what build_app checks too: the offline API refuses the same settings
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # Everything that can be refused is checked before the weights load.
