@@ -235,7 +235,7 @@ class ServerConfig(BaseModel):
     max_queued_requests: int = Field(
         1024, ge=1, description="Requests a replica queues before refusing new ones with 503 + Retry-After.",
     )
-    retry_after_s: int = Field(1, ge=1, description="Retry-After (seconds) sent with 429/503 answers.")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After (seconds) sent with 503 answers.")
     api_keys: list[SecretStr] = Field(
         default_factory=list,
         description="Accepted API keys (Authorization: Bearer <key>). Also read from the env var APP_API_KEYS "
