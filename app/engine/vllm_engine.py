@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from app.config import EngineConfig
-from app.engine.outputs import RequestMetrics, RequestOutput
+from app.engine.outputs import Logprob, RequestMetrics, RequestOutput
 from app.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError,
                                RequestTimeoutError)
 from app.engine.kv_events import KVEvent
@@ -378,15 +378,15 @@ class VLLMEngine:
             choice.finished = True
             finish_reason = "length" if params.max_tokens == 0 else comp.finish_reason
             stop_reason = None if params.max_tokens == 0 else comp.stop_reason
-        prompt_lp = prompt_top = None
-        if params.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            prompt_lp = [None if pos is None else float(pos[t].logprob) for t, pos in zip(prompt_ids, out.prompt_logprobs)]
-            prompt_top = [None if pos is None else _top(pos, params.prompt_logprobs) for pos in out.prompt_logprobs]
+        prompt_lp = None
+        if params.prompt_logprobs is not None and out.prompt_logprobs is not None:  # vLLM's shape is ours
+            prompt_lp = [None if pos is None else {int(t): Logprob(float(lp.logprob), lp.rank, lp.decoded_token)
+                                                   for t, lp in pos.items()} for pos in out.prompt_logprobs]
         result = RequestOutput(
             request_id=request_id, prompt=None, prompt_token_ids=prompt_ids, text=choice.text, delta_text=delta_text,
             delta_token_ids=delta_ids, finished=finished, finish_reason=finish_reason, stop_reason=stop_reason,
             num_cached_tokens=out.num_cached_tokens or 0, delta_logprobs=delta_lp, delta_top_logprobs=delta_top,
-            prompt_logprobs=prompt_lp, prompt_top_logprobs=prompt_top, index=choice.index,
+            prompt_logprobs=prompt_lp, index=choice.index,
         )
         if finished:
             result.token_ids = list(choice.token_ids)
