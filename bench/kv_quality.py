@@ -262,8 +262,9 @@ def heldout_scores(llm: LLM, num_tokens: int, window: int) -> tuple[torch.Tensor
     engine's prompt logprobs (every window's first token is not scored)."""
     outs = llm.generate(heldout_windows(llm.tokenizer, num_tokens, window),
                         SamplingParams(max_tokens=0, prompt_logprobs=1), log_every_s=30)
-    lps = torch.tensor([lp for o in outs for lp in o.prompt_logprobs[1:]])
-    top1 = torch.tensor([top[0][0] for o in outs for top in o.prompt_top_logprobs[1:]])
+    # vLLM's shape: per position {token id: Logprob}, the prompt token's and the best (rank 1)
+    lps = torch.tensor([d[t].logprob for o in outs for t, d in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])])
+    top1 = torch.tensor([next(t for t, e in d.items() if e.rank == 1) for o in outs for d in o.prompt_logprobs[1:]])
     return lps, top1
 
 

@@ -48,11 +48,7 @@ def deploy(replicas: int, kv_router: bool, engine_overrides: dict, model_id: str
 
     config = copy.deepcopy(yaml.safe_load((ROOT / "serve_config.yaml").read_text()))
     (app,) = config["applications"]
-    for d in app["deployments"]:
-        if d["name"] == "LLMServer":
-            d["num_replicas"] = replicas
-            if not kv_router:
-                d.pop("request_router_config", None)
+    app["deployments"] = [{"name": "LLMServer", "num_replicas": replicas}]
     app["args"]["engine"]["model"] = "tiny-llama"  # the byte tokenizer: 1 char = 1 token (unless overridden)
     app["args"]["model_id"] = model_id
     app["args"]["engine"].update(engine_overrides)

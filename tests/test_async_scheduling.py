@@ -40,16 +40,21 @@ def _summary(out):
     chunk of one token takes the decode kernel, whose rounding differs from the prefill kernel's: up to
     5e-3 on stories260K's prompt log-probs in the synchronous engine too, chunks of 7 against one)."""
     return (out.request_id, out.index, out.token_ids, out.text, out.finish_reason, out.stop_reason,
-            _ids(out.top_logprobs), _ids(out.prompt_top_logprobs), out.prompt_logprobs is None, out.logprobs is None)
+            _ids(out.top_logprobs), _prompt_ids(out.prompt_logprobs), out.prompt_logprobs is None, out.logprobs is None)
 
 
 def _ids(tops):
     return None if tops is None else [None if t is None else [i for i, _ in t] for t in tops]
 
 
+def _prompt_ids(prompt_logprobs):
+    """The token ids of each position's entries (vLLM's shape: the prompt token, then the N best)."""
+    return None if prompt_logprobs is None else [None if d is None else list(d) for d in prompt_logprobs]
+
+
 def _values(out):
-    vals = list(out.logprobs or []) + [v for v in (out.prompt_logprobs or []) if v is not None]
-    vals += [v for t in (out.top_logprobs or []) + (out.prompt_top_logprobs or []) if t for _, v in t]
+    vals = list(out.logprobs or []) + [e.logprob for d in (out.prompt_logprobs or []) if d for e in d.values()]
+    vals += [v for t in (out.top_logprobs or []) if t for _, v in t]
     return vals
 
 
@@ -195,7 +200,9 @@ def test_an_id_reused_while_its_old_step_is_in_flight_gets_nothing_of_it(stories
     want = stories_llm(stories_paths).generate(["Once upon a time"], SamplingParams(
         temperature=0, max_tokens=3, prompt_logprobs=1))[0]
     assert len(final.prompt_logprobs) == len(final.prompt_token_ids) == len(want.prompt_token_ids)
-    assert final.token_ids == want.token_ids and final.prompt_logprobs == pytest.approx(want.prompt_logprobs)
+    assert final.token_ids == want.token_ids and _prompt_ids(final.prompt_logprobs) == _prompt_ids(want.prompt_logprobs)
+    assert [e.logprob for d in final.prompt_logprobs[1:] for e in d.values()] == \
+        pytest.approx([e.logprob for d in want.prompt_logprobs[1:] for e in d.values()])
     assert engine.kv_manager.num_free_blocks == engine.num_kv_blocks
 
 

@@ -24,7 +24,7 @@ CONFIG_70B = CLUSTER / "serve_config_70b.yaml"
 RAY_CLUSTER = CLUSTER / "ray-cluster.yaml"
 RAYSERVICE = CLUSTER / "rayservice.yaml"
 ENTRY_POINT = "app.deployments.builder:build_app"
-DEPLOYMENT_NAMES = {"LLMServer", "OpenAIIngress"}
+DEPLOYMENT_NAMES = {"LLMServer", "OpenAIIngress", "KVIndex"}
 
 YAML_FILES = [DEFAULT_CONFIG, *sorted(CLUSTER.glob("*.yaml"))]
 

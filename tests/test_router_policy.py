@@ -69,3 +69,18 @@ def test_min_match_blocks_and_bad_inputs():
         choose([], {}, {}, None)
     with pytest.raises(ValueError, match="load_factor"):
         RoutingPolicy(load_factor=0.5)
+
+
+def test_the_policy_takes_its_settings_and_defaults_from_router_config():
+    from pydantic import ValidationError
+
+    from app.config import RouterConfig
+
+    config = RouterConfig()
+    assert RoutingPolicy() == RoutingPolicy.from_config(config) == RoutingPolicy.from_config({})
+    assert (RoutingPolicy().load_factor, RoutingPolicy().slack, RoutingPolicy().min_match_blocks) == \
+        (config.load_factor, config.slack, config.min_match_blocks)
+    # the request_router_kwargs the builder passes: args.router, whole
+    assert RoutingPolicy.from_config(RouterConfig(load_factor=2.0).model_dump()) == RoutingPolicy(load_factor=2.0)
+    with pytest.raises(ValidationError, match="load_factr"):
+        RoutingPolicy.from_config({"load_factr": 2.0})

@@ -21,16 +21,14 @@ BLOCK = 16
 
 
 def deploy_config(num_replicas: int = 3, **router) -> None:
-    """serve_config.yaml with LLMServer num_replicas changed, deployed like `serve run` does."""
+    """serve_config.yaml with LLMServer num_replicas set, deployed like `serve run` does."""
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
     config = yaml.safe_load((REPO_ROOT / "serve_config.yaml").read_text())
     config = copy.deepcopy(config)
     (app,) = config["applications"]
-    for d in app["deployments"]:
-        if d["name"] == "LLMServer":
-            d["num_replicas"] = num_replicas
+    app["deployments"] = [{"name": "LLMServer", "num_replicas": num_replicas}]
     app["args"]["engine"]["kv_cache_memory"] = "256MiB"
     app["args"]["engine"]["model"] = app["args"]["model_id"] = "tiny-llama"  # routing, not the model, is tested
     if router:

@@ -4,8 +4,9 @@
 `OpenAIIngress` (HTTP + Python handle API, stateless, scales out) in front of `LLMServer` (one
 engine replica per node), and `KVIndex` (one replica, no resources: it owns the application's KV
 index actor, which the replicas publish to and the routers follow; app/router/index_actor.py). Each LLMServer replica gets a placement group sized to its
-tensor-parallel workers (placement_options below); anything set under `deployments:` in the YAML
-overrides what is derived here.
+tensor-parallel workers (placement_options below). Every Ray Serve option is derived here from
+`args`; an option set under `deployments:` in the YAML overrides the derived one (Ray Serve applies
+it after this builder runs).
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ def router_options(config: ServerConfig) -> dict:
         return {"request_router_config": RequestRouterConfig(request_routing_stats_period_s=r.routing_stats_period_s)}
     return {"request_router_config": RequestRouterConfig(
         request_router_class=KV_ROUTER_CLASS,
-        request_router_kwargs={"load_factor": r.load_factor, "slack": r.slack,
-                               "min_match_blocks": r.min_match_blocks},
+        request_router_kwargs=r.model_dump(),  # KVAwareRouter.initialize_state validates them again
         request_routing_stats_period_s=r.routing_stats_period_s,
     )}
 
@@ -105,8 +105,14 @@ def with_serve_env(config: ServerConfig, actor_options: dict) -> dict:
 
 
 def build_app(args: dict | ServerConfig | None = None) -> Application:
-    """The application `serve run` deploys; `args` are the `args:` of serve_config.yaml."""
+    """The application `serve run` deploys; `args` are the `args:` of serve_config.yaml.
+
+    Settings that cannot work together raise UnsupportedSettingError here, naming each, so that
+    `serve run` fails at once rather than in replicas that Serve restarts again and again."""
+    from app.engine.setting_checks import check_settings
+
     config = ServerConfig.model_validate(args or {})
+    check_settings(config.engine)
     engine = config.engine
     placement = placement_options(config)
     placement["ray_actor_options"] = with_serve_env(config, placement["ray_actor_options"])

@@ -40,7 +40,7 @@ class OpenAIError(Exception):
         self.type: str = fields.pop("type")
         self.param: str | None = fields.pop("param")
         self.code: str | None = fields.pop("code")
-        self.retry_after_s: int | None = fields.pop("retry_after_s")  # sent as Retry-After (429/503)
+        self.retry_after_s: int | None = fields.pop("retry_after_s")  # sent as Retry-After (503)
         if fields:
             raise TypeError(f"unknown OpenAIError fields: {sorted(fields)}")
 

@@ -291,15 +291,19 @@ class OpenAIServing:
             return text, None
         lp = CompletionLogprobs()
         offset = 0
-        tops = out.prompt_top_logprobs or [None] * len(out.prompt_logprobs)
-        for i, (token_id, logprob, top) in enumerate(zip(out.prompt_token_ids, out.prompt_logprobs, tops)):
+        for token_id, position in zip(out.prompt_token_ids, out.prompt_logprobs):
             token = self._token_text(token_id)
             lp.tokens.append(token)
-            lp.token_logprobs.append(logprob)
-            if i == 0:
+            if position is None:  # the first token
+                lp.token_logprobs.append(None)
                 lp.top_logprobs.append(None)
             else:
-                alternatives = {self._token_text(t): v for t, v in top or []}
+                logprob = position[token_id].logprob
+                lp.token_logprobs.append(logprob)
+                # the `logprobs` best by rank (the prompt token's entry ranks beyond them unless it is one)
+                top = sorted((e.rank, t, e.logprob) for t, e in position.items()
+                             if e.rank is not None and e.rank <= request.logprobs)
+                alternatives = {self._token_text(t): v for _, t, v in top}
                 alternatives.setdefault(token, logprob)
                 lp.top_logprobs.append(alternatives)
             lp.text_offset.append(offset)

@@ -286,5 +286,5 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         b.delta_logprobs = a.delta_logprobs + b.delta_logprobs
         b.delta_top_logprobs = a.delta_top_logprobs + b.delta_top_logprobs
     if b.prompt_logprobs is None:
-        b.prompt_logprobs, b.prompt_top_logprobs = a.prompt_logprobs, a.prompt_top_logprobs
+        b.prompt_logprobs = a.prompt_logprobs
     return b

@@ -20,10 +20,11 @@ from app.engine.kv_cache_manager import KVCacheManager
 from app.engine.kv_events import KVEvent
 from app.engine.model_config import load_model_config, resolve_tokenizer
 from app.engine.model_runner import resolve_dtype
-from app.engine.outputs import RequestMetrics, RequestOutput
+from app.engine.outputs import RequestMetrics, RequestOutput, prompt_logprobs_dicts
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerOutput, check_prompt_ids
 from app.engine.sequence import Sequence, SequenceStatus
+from app.engine.setting_checks import check_settings
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class _RequestState:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = field(default=None)
     prompt_logprobs: list[float | None] | None = None  # filled by position as prompt chunks compute
+    prompt_ranks: list[int | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_logprobs_sent: bool = False
     error: str | None = None
@@ -65,6 +67,7 @@ class LLMEngine:
         if config.backend != "native":
             raise ValueError(f"LLMEngine is the native backend; engine.backend {config.backend!r} runs in an "
                              "LLMServer replica (app/engine/vllm_engine.py)")
+        check_settings(config)  # what build_app checks too: the offline API refuses the same settings
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # Everything that can be refused is checked before the weights load.
@@ -199,6 +202,7 @@ class LLMEngine:
             state.logprobs, state.top_logprobs = [], []
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(prompt_ids)
+            state.prompt_ranks = [None] * len(prompt_ids)
             state.prompt_top_logprobs = [None] * len(prompt_ids)
         with self._lock:
             if seq_id in self._choices:
@@ -300,12 +304,13 @@ class LLMEngine:
         in_step = {seq.request_id: seq for seq, _ in sched.scheduled}
         ours = {rid for rid, seq in in_step.items() if rid in self._requests and self._requests[rid].seq is seq}
         failed = self._fail_requests({rid: why for rid, why in out.failed.items() if rid in ours})
-        for rid, (start, lps, tops) in out.prompt_logprobs.items():
+        for rid, (start, lps, ranks, tops) in out.prompt_logprobs.items():
             state = self._requests.get(rid)
             if rid not in ours or rid in out.failed:
                 continue
             # by position: a preempted request that recomputes its prompt writes the same slots
             state.prompt_logprobs[start + 1: start + 1 + len(lps)] = lps
+            state.prompt_ranks[start + 1: start + 1 + len(ranks)] = ranks
             if tops is not None:
                 state.prompt_top_logprobs[start + 1: start + 1 + len(tops)] = tops
         sampled = {}
@@ -364,6 +369,10 @@ class LLMEngine:
             del self._choices[state.request_id]
         return self._make_output(state)
 
+    def _token_text(self, token_id: int) -> str:
+        """A token decoded alone (Logprob.decoded_token), as vLLM does."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _make_output(self, state: _RequestState) -> RequestOutput:
         seq = state.seq
         finished = seq.is_finished
@@ -388,8 +397,9 @@ class LLMEngine:
         if state.prompt_logprobs is not None and (finished or not state.prompt_logprobs_sent) \
                 and seq.num_computed_tokens >= seq.num_prompt_tokens and state.error is None:
             state.prompt_logprobs_sent = True
-            out.prompt_logprobs = state.prompt_logprobs
-            out.prompt_top_logprobs = state.prompt_top_logprobs if seq.sampling_params.prompt_logprobs else None
+            top = state.prompt_top_logprobs if seq.sampling_params.prompt_logprobs else None
+            out.prompt_logprobs = prompt_logprobs_dicts(seq.prompt_token_ids, state.prompt_logprobs,
+                                                        state.prompt_ranks, top, self._token_text)
         if finished:
             state.metrics.finished_time = time.perf_counter()
             out.metrics = state.metrics

@@ -378,8 +378,9 @@ class ModelRunner:
                     time.perf_counter() - start)
 
     def _prompt_logprobs(self, step: StepMessage, hidden: torch.Tensor) -> dict:
-        """request id -> (start position, log-prob of each target prompt token, its N best
-        (id, log-prob) or None when N is 0) for the requests scoring prompt tokens this step."""
+        """request id -> (start position, log-prob of each target prompt token, its rank (1 + the
+        tokens at least as likely besides it, as vLLM counts), its N best (id, log-prob) or None
+        when N is 0) for the requests scoring prompt tokens this step."""
         out, offset = {}, 0
         for r in step.requests:
             targets = r.prompt_targets
@@ -387,13 +388,15 @@ class ModelRunner:
                 rows = hidden[offset: offset + len(targets)]
                 logp = torch.log_softmax(self.model.compute_logits(rows)[:, : self.vocab_size].float(), dim=-1)
                 tgt = torch.tensor(targets, device=logp.device)
-                chosen = logp.gather(1, tgt[:, None])[:, 0].tolist()
+                chosen_t = logp.gather(1, tgt[:, None])  # [len(targets), 1]
+                ranks = (logp >= chosen_t).sum(dim=-1).tolist()
+                chosen = chosen_t[:, 0].tolist()
                 k = self.requests[r.request_id].params.prompt_logprobs
                 top = None
                 if k:
                     vals, ids = logp.topk(k, dim=-1)
                     top = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-                out[r.request_id] = (r.start_pos, chosen, top)
+                out[r.request_id] = (r.start_pos, chosen, ranks, top)
             offset += len(r.token_ids)
         return out
 

@@ -32,8 +32,9 @@ class SamplingParams:
     one of stop (the stop string itself is left out of the text unless include_stop_str_in_output).
     logprobs=N returns the sampled token's log-probability and the N most likely alternatives.
     prompt_logprobs=N returns, for every prompt token after the first, its log-probability given
-    the tokens before it and the N most likely alternatives (such a request computes its whole
-    prompt: prefix-cache hits are not used for it). max_tokens=0 computes the prompt only.
+    the tokens before it and the N most likely alternatives, as vLLM does (RequestOutput.prompt_logprobs:
+    per token None or {token id: Logprob}; such a request computes its whole prompt: prefix-cache
+    hits are not used for it). max_tokens=0 computes the prompt only.
     """
 
     max_tokens: int = 16

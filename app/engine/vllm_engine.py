@@ -9,7 +9,8 @@ the ingress, the router and the APIs are the same for both backends. Inside:
   tokenized them with the model's tokenizer), so both backends see identical prompts and the
   router hashes exactly what the engine caches. Text comes from vLLM's detokenizer.
 - Settings map one to one where vLLM has them (`vllm_engine_args`); settings vLLM does not have
-  are refused at start-up (UnsupportedSettingError), never ignored.
+  are refused when the application is built and again at start-up (UnsupportedSettingError,
+  app/engine/setting_checks.py), never ignored.
 - KV events: vLLM publishes them on ZMQ (`kv_events_config`, publisher "zmq", on ipc sockets of
   this replica); a ZmqEventSubscriber (app/router/zmq_events.py) follows them, fills gaps from
   vLLM's replay socket, re-keys blocks by our chain hash and hands them to the replica, which
@@ -35,57 +36,28 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from app.config import EngineConfig, FP4Config
-from app.engine.outputs import RequestMetrics, RequestOutput
+from app.config import EngineConfig
+from app.engine.outputs import Logprob, RequestMetrics, RequestOutput
 from app.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError,
                                RequestTimeoutError)
 from app.engine.kv_events import KVEvent
-from app.engine.model_config import DUMMY_MODELS, load_model_config, resolve_tokenizer
+from app.engine.model_config import load_model_config, resolve_tokenizer
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import check_prompt_ids, check_request_fits
+from app.engine.setting_checks import VLLM_KV_DTYPES, UnsupportedSettingError, check_settings
 
 logger = logging.getLogger(__name__)
-
-# vLLM's CPU attention backend takes pages of a multiple of 32 tokens only (vLLM 0.32).
-CPU_BLOCK_MULTIPLE = 32
-_KV_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp8": "fp8_e4m3"}
-
-
-class UnsupportedSettingError(ValueError):
-    """A setting the vLLM backend cannot honour; raised when the replica starts."""
 
 
 def vllm_engine_args(config: EngineConfig, *, on_cpu: bool | None = None) -> tuple[dict, dict[str, str]]:
     """(keyword arguments of vLLM's AsyncEngineArgs, environment variables vLLM reads) for `config`.
 
-    Raises UnsupportedSettingError naming every setting vLLM has no equivalent for. Pure: no vLLM
-    import, so it is tested without vLLM. `on_cpu` defaults to config.device == "cpu".
+    Raises UnsupportedSettingError naming every setting vLLM has no equivalent for (the checks
+    build_app runs too: app/engine/setting_checks.py), and a model that is no directory here. Pure:
+    no vLLM import, so it is tested without vLLM. `on_cpu` defaults to config.device == "cpu".
     """
     on_cpu = config.device == "cpu" if on_cpu is None else on_cpu
-    problems = []
-    model = config.model
-    if model in DUMMY_MODELS:
-        problems.append(f"model {model!r} is one of our built-in dummy models; vLLM needs a Hugging Face model "
-                        "directory (load_format: dummy gives it random weights)")
-    elif model.endswith((".bin", ".gguf")) or not os.path.isdir(model):
-        problems.append(f"model {model!r}: the vllm backend serves Hugging Face model directories "
-                        "(config.json + *.safetensors) only")
-    if config.kv_cache_dtype not in _KV_DTYPES:
-        problems.append(f"kv_cache_dtype {config.kv_cache_dtype!r}: vLLM's KV cache formats here are "
-                        f"{sorted(_KV_DTYPES)} (fp4 KV is this project's engine: backend native)")
-    if config.fp4 != FP4Config():
-        problems.append("fp4 options are settings of our fp4 KV cache; vLLM has none of them")
-    if config.device not in ("cpu", "cuda"):
-        problems.append(f"device {config.device!r}: with vLLM use 'cpu' or 'cuda' (vLLM takes the GPUs the "
-                        "replica sees, cuda:0 first)")
-    if on_cpu and config.block_size % CPU_BLOCK_MULTIPLE:
-        problems.append(f"block_size {config.block_size}: vLLM's CPU attention needs a multiple of "
-                        f"{CPU_BLOCK_MULTIPLE}")
-    for name in ("execute_timeout_s", "distributed_backend"):
-        if name in config.model_fields_set:
-            problems.append(f"{name} has no vLLM equivalent (vLLM picks its own collectives and timeouts)")
-    if problems:
-        raise UnsupportedSettingError("engine.backend 'vllm' cannot honour these settings: " + "; ".join(problems))
+    check_settings(config, on_cpu=on_cpu, model_here=True)
 
     from app.engine.model_runner import cpu_has_bf16
 
@@ -93,8 +65,8 @@ def vllm_engine_args(config: EngineConfig, *, on_cpu: bool | None = None) -> tup
     if dtype == "auto":  # as our engine resolves it
         dtype = "bfloat16" if not on_cpu or cpu_has_bf16() else "float32"
     args = dict(
-        model=model, tokenizer=config.tokenizer, load_format=config.load_format, dtype=dtype,
-        kv_cache_dtype=_KV_DTYPES[config.kv_cache_dtype], block_size=config.block_size,
+        model=config.model, tokenizer=config.tokenizer, load_format=config.load_format, dtype=dtype,
+        kv_cache_dtype=VLLM_KV_DTYPES[config.kv_cache_dtype], block_size=config.block_size,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len, num_gpu_blocks_override=config.num_kv_blocks,
         gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
@@ -406,15 +378,15 @@ class VLLMEngine:
             choice.finished = True
             finish_reason = "length" if params.max_tokens == 0 else comp.finish_reason
             stop_reason = None if params.max_tokens == 0 else comp.stop_reason
-        prompt_lp = prompt_top = None
-        if params.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            prompt_lp = [None if pos is None else float(pos[t].logprob) for t, pos in zip(prompt_ids, out.prompt_logprobs)]
-            prompt_top = [None if pos is None else _top(pos, params.prompt_logprobs) for pos in out.prompt_logprobs]
+        prompt_lp = None
+        if params.prompt_logprobs is not None and out.prompt_logprobs is not None:  # vLLM's shape is ours
+            prompt_lp = [None if pos is None else {int(t): Logprob(float(lp.logprob), lp.rank, lp.decoded_token)
+                                                   for t, lp in pos.items()} for pos in out.prompt_logprobs]
         result = RequestOutput(
             request_id=request_id, prompt=None, prompt_token_ids=prompt_ids, text=choice.text, delta_text=delta_text,
             delta_token_ids=delta_ids, finished=finished, finish_reason=finish_reason, stop_reason=stop_reason,
             num_cached_tokens=out.num_cached_tokens or 0, delta_logprobs=delta_lp, delta_top_logprobs=delta_top,
-            prompt_logprobs=prompt_lp, prompt_top_logprobs=prompt_top, index=choice.index,
+            prompt_logprobs=prompt_lp, index=choice.index,
         )
         if finished:
             result.token_ids = list(choice.token_ids)

@@ -29,9 +29,10 @@ logger = logging.getLogger("ray.serve")
 class KVAwareRouter(FIFOMixin, RequestRouter):
     """Set on the LLMServer deployment by `request_router_config` (see builder.py)."""
 
-    def initialize_state(self, load_factor: float = 1.25, slack: int = 2, min_match_blocks: int = 1,
-                         **kwargs) -> None:
-        self.policy = RoutingPolicy(load_factor=load_factor, slack=slack, min_match_blocks=min_match_blocks)
+    def initialize_state(self, **settings) -> None:
+        """`settings`: request_router_kwargs, RouterConfig's fields (the builder passes `args.router`;
+        a `request_router_config` under `deployments:` may give some, the rest take their defaults)."""
+        self.policy = RoutingPolicy.from_config(settings)
         self._inflight: dict[ReplicaID, int] = defaultdict(int)
         self._rng = random.Random()
         self.decisions: dict[str, int] = defaultdict(int)  # reason -> count, for logs and tests

@@ -1,5 +1,5 @@
 """The KV-aware routing decision, as a pure function (no Ray): the router and the simulation
-in bench/router.py call the same code.
+in bench/router_sim.py call the same code.
 
 For one request, given how many of its leading prompt blocks each replica holds (the prefix
 index) and each replica's load:
@@ -28,14 +28,24 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from app.config import RouterConfig
+
 ReplicaId = str
+_DEFAULTS = RouterConfig()  # the settings' one source: RouterConfig (args.router of serve_config.yaml)
 
 
 @dataclass(frozen=True, slots=True)
 class RoutingPolicy:
-    load_factor: float = 1.25  # a replica with room carries at most this times the least load ...
-    slack: int = 2  # ... plus this many requests
-    min_match_blocks: int = 1  # fewer matched blocks than this count as no match
+    load_factor: float = _DEFAULTS.load_factor  # a replica with room carries at most this times the least load ...
+    slack: int = _DEFAULTS.slack  # ... plus this many requests
+    min_match_blocks: int = _DEFAULTS.min_match_blocks  # fewer matched blocks than this count as no match
+
+    @classmethod
+    def from_config(cls, config: RouterConfig | Mapping) -> RoutingPolicy:
+        """The policy of `config`: a RouterConfig or its fields as a dict (the request_router_kwargs
+        the builder passes), validated; fields not given take RouterConfig's defaults."""
+        config = RouterConfig.model_validate(config)
+        return cls(load_factor=config.load_factor, slack=config.slack, min_match_blocks=config.min_match_blocks)
 
     def __post_init__(self) -> None:
         if self.load_factor < 1:
