@@ -3,7 +3,7 @@
 `args` is a ServerConfig (app/config.py). The application is three deployments with stable names:
 `OpenAIIngress` (HTTP + Python handle API, stateless, scales out) in front of `LLMServer` (one
 engine replica per node), and `KVIndex` (one replica, no resources: it owns the application's KV
-index actor, which the replicas publish to and the routers follow; app/router/index_actor.py). Each LLMServer replica gets a placement group sized to its
+index actor, which the replicas publish to and the routers follow; app/deployments/kv_index.py). Each LLMServer replica gets a placement group sized to its
 tensor-parallel workers (placement_options below); anything set under `deployments:` in the YAML
 overrides what is derived here.
 """
@@ -18,9 +18,9 @@ from ray.serve.config import RequestRouterConfig
 
 from app.config import ServerConfig
 from app.deployments.ingress import OpenAIIngress
+from app.deployments.kv_index import INDEX_DEPLOYMENT_NAME, KVIndex
 from app.deployments.llm_server import LLMServer
 from app.engine.parallel import placement_bundles
-from app.router.index_actor import INDEX_DEPLOYMENT_NAME, KVIndex
 
 LLM_SERVER_NAME = "LLMServer"
 INGRESS_NAME = "OpenAIIngress"

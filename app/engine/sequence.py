@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from app.engine.block_hash import BlockHash, hash_block_tokens
+from app.kv_events.block_hash import BlockHash, hash_block_tokens
 from app.engine.sampling_params import SamplingParams
 
 

@@ -11,7 +11,7 @@ the ingress, the router and the APIs are the same for both backends. Inside:
 - Settings map one to one where vLLM has them (`vllm_engine_args`); settings vLLM does not have
   are refused at start-up (UnsupportedSettingError), never ignored.
 - KV events: vLLM publishes them on ZMQ (`kv_events_config`, publisher "zmq", on ipc sockets of
-  this replica); a ZmqEventSubscriber (app/router/zmq_events.py) follows them, fills gaps from
+  this replica); a ZmqEventSubscriber (app/kv_events/zmq_transport.py) follows them, fills gaps from
   vLLM's replay socket, re-keys blocks by our chain hash and hands them to the replica, which
   publishes them to the application's index as it does for our engine.
 - Stats for the router and /metrics come from a vLLM stat logger (scheduler stats per step) plus
@@ -39,7 +39,7 @@ from app.config import EngineConfig, FP4Config
 from app.engine.outputs import RequestMetrics, RequestOutput
 from app.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError,
                                RequestTimeoutError)
-from app.engine.kv_events import KVEvent
+from app.kv_events.schema import KVEvent
 from app.engine.model_config import DUMMY_MODELS, load_model_config, resolve_tokenizer
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import check_prompt_ids, check_request_fits
@@ -248,7 +248,7 @@ class VLLMEngine:
         self.subscriber = None
         self.rehasher = None
         if config.enable_prefix_caching:
-            from app.router.zmq_events import BlockRehasher, ZmqEventSubscriber
+            from app.kv_events.zmq_transport import BlockRehasher, ZmqEventSubscriber
 
             self.rehasher = BlockRehasher(config.block_size)
             self.subscriber = ZmqEventSubscriber(pub, self._on_vllm_events, replay_endpoint=replay,
@@ -266,7 +266,7 @@ class VLLMEngine:
 
     def kv_cache_snapshot_events(self) -> list[KVEvent]:
         if self.rehasher is None:
-            from app.engine.kv_events import AllBlocksCleared
+            from app.kv_events.schema import AllBlocksCleared
 
             return [AllBlocksCleared()]
         with self._events_lock:
