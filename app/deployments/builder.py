@@ -20,7 +20,7 @@ from app.config import ServerConfig
 from app.deployments.ingress import OpenAIIngress
 from app.deployments.kv_index import INDEX_DEPLOYMENT_NAME, KVIndex
 from app.deployments.llm_server import LLMServer
-from app.engine.parallel import placement_bundles
+from app.engine.placement import DEFAULT_CPUS_PER_WORKER, placement_bundles
 
 LLM_SERVER_NAME = "LLMServer"
 INGRESS_NAME = "OpenAIIngress"
@@ -44,7 +44,7 @@ def placement_options(config: ServerConfig) -> dict:
     """
     gpu = uses_gpu(config)
     p = config.placement
-    cpus_per_worker = p.cpus_per_worker if p.cpus_per_worker is not None else (1.0 if gpu else 0.1)
+    cpus_per_worker = p.cpus_per_worker if p.cpus_per_worker is not None else DEFAULT_CPUS_PER_WORKER[gpu]
     replica_cpus = p.replica_cpus if p.replica_cpus is not None else (1.0 if gpu else 0.2)
     tp = config.engine.tensor_parallel_size
     if tp > 1 and config.engine.distributed_executor_backend == "mp":

@@ -475,6 +475,6 @@ def create_executor(config: EngineConfig, vocab_size: int, max_model_len: int) -
         from app.engine.mp_executor import MultiprocExecutor
 
         return MultiprocExecutor(config, vocab_size, max_model_len)
-    from app.engine.parallel import RayExecutor  # imports Ray
+    from app.engine.ray_executor import RayExecutor  # imports Ray
 
     return RayExecutor(config, vocab_size, max_model_len)
