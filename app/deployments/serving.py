@@ -52,7 +52,7 @@ from app.kv_events.block_hash import hash_request_tokens
 from app.engine.outputs import RequestOutput
 from app.engine.errors import InvalidRequestError
 from app.engine.scheduler import check_prompt_ids, check_request_fits
-from app.engine.model_config import load_model_config, resolve_tokenizer
+from app.engine.model_source import load_model_config, resolve_tokenizer
 from app.engine.sampling_params import SamplingParams
 from app.engine.tokenizer import ChatTemplateError
 
