@@ -2,15 +2,13 @@
 
 Every module under app/ is parsed with `ast` (nothing is imported), and every `import app...` /
 `from app... import ...` in it, at module level or inside a function, is an edge to the module it
-names (`from app.x import y` is an edge to app.x.y when that is a module, else to app.x). The
-layers, lowest first:
+names (`from app.x import y` is an edge to app.x.y when that is a module, else to app.x).
 
-    app.kernels, app.kv_events        Triton kernels; block hashes and KV events (shared)
-    app.config                        validated settings
-    app.engine                        the engine (imports kernels, kv_events, config)
-    app.router                        the KV-aware router (imports kv_events, serving_types)
-    app.serving_types                 what a caller sends a replica (between router and deployments)
-    app.deployments                   the Ray Serve application (imports anything below it)
+The layers, lowest first (docs/DESIGN.md, "Layout"). A module imports only from its own layer or
+lower ones, so: nothing in app.engine or app.router imports app.deployments, nothing in app.kernels
+imports app.engine, nothing in app.engine imports app.router. Beyond the order, the router imports
+no engine module (it runs in every caller's handle; it sees the engine's types only through
+app.kv_events and app.serving_types), and the engine imports Ray only in its Ray executor.
 """
 
 from __future__ import annotations
@@ -22,25 +20,23 @@ import pytest
 
 APP = Path(__file__).resolve().parents[1] / "app"
 
-# (importer, imported): no module of the first package may import one of the second
-FORBIDDEN = [
-    ("app.engine", "app.router"),
-    ("app.engine", "app.deployments"),
-    ("app.router", "app.deployments"),
-    ("app.router", "app.engine"),  # the router sees the engine only through kv_events and serving_types
-    ("app.kernels", "app.engine"),
-    ("app.kernels", "app.router"),
-    ("app.kernels", "app.deployments"),
-    ("app.kv_events", "app.engine"),
-    ("app.kv_events", "app.router"),
-    ("app.kv_events", "app.deployments"),
-    ("app.kv_events", "app.kernels"),
-    ("app.config", "app.engine"),
-    ("app.config", "app.router"),
-    ("app.config", "app.deployments"),
-    ("app.serving_types", "app.router"),
-    ("app.serving_types", "app.deployments"),
+LAYERS = [
+    ["app.kernels"],  # Triton kernels and their torch references
+    ["app.kv_events"],  # block hashes, KV events, their wire form and transport: engine and router share them
+    ["app.config"],  # the validated settings
+    ["app.engine"],
+    ["app.llm"],  # the offline API
+    ["app.serving_types"],  # what a caller sends an LLMServer replica: the router reads it, deployments send it
+    ["app.router"],
+    ["app.deployments"],
+    ["app", "app.__main__"],  # the package's lazy exports and the command line
 ]
+
+# (importer, imported) pairs the layer order allows but the design does not
+FORBIDDEN = [("app.router", "app.engine")]
+
+# Where the engine may import Ray (tensor-parallel workers as Ray actors), see app/engine/__init__.py
+RAY_IN_ENGINE = {"app.engine.ray_executor", "app.engine.tp_worker"}
 
 # Circles that cannot be cut, each with the reason. None today.
 ALLOWED_CYCLES: list[set[str]] = []
@@ -130,14 +126,41 @@ def in_package(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
+def layer_of(module: str) -> int:
+    """Index in LAYERS of the most specific package that holds `module`."""
+    best, depth = None, -1
+    for i, packages in enumerate(LAYERS):
+        for package in packages:
+            if in_package(module, package) and package.count(".") > depth:
+                best, depth = i, package.count(".")
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add its package to LAYERS")
+    return best
+
+
 def forbidden_imports(graph: dict[str, dict[str, int]], modules: dict) -> list[str]:
     bad = []
     for importer, targets in sorted(graph.items()):
         for target, line in sorted(targets.items()):
+            where = f"{modules[importer][0]}:{line}: {importer} imports {target}"
+            if layer_of(target) > layer_of(importer):
+                bad.append(f"{where} (a layer above it: see LAYERS)")
             for low, high in FORBIDDEN:
                 if in_package(importer, low) and in_package(target, high):
-                    bad.append(f"{modules[importer][0]}:{line}: {importer} imports {target} ({low} must not import {high})")
+                    bad.append(f"{where} ({low} must not import {high})")
     return bad
+
+
+def ray_imports(root: Path = APP) -> dict[str, list[int]]:
+    """module -> lines importing ray (or a ray submodule), at any level."""
+    out: dict[str, list[int]] = {}
+    for name, (path, _) in module_names(root).items():
+        for node in ast.walk(ast.parse((root.parent / path).read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(n == "ray" or n.startswith("ray.") for n in names):
+                out.setdefault(name, []).append(node.lineno)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +185,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
     assert g["app.engine.c"] == {"app.engine.a": 1, "app.router.index": 2}
     assert cycles(g) == [["app.engine.a", "app.engine.b", "app.engine.c"]]
     assert [b.split(": ", 1)[1] for b in forbidden_imports(g, modules)] == [
-        "app.engine.c imports app.router.index (app.engine must not import app.router)"]
+        "app.engine.c imports app.router.index (a layer above it: see LAYERS)"]
 
 
 def test_every_app_import_names_a_module_that_exists(graph):
@@ -182,3 +205,9 @@ def test_imports_run_one_way_between_packages(graph):
     g, modules = graph
     bad = forbidden_imports(g, modules)
     assert not bad, "\n".join(bad)
+
+
+def test_the_engine_imports_ray_only_in_its_ray_executor():
+    found = {m: lines for m, lines in ray_imports().items() if in_package(m, "app.engine") and m not in RAY_IN_ENGINE}
+    assert not found, f"Ray imported in app.engine outside {sorted(RAY_IN_ENGINE)}: {found}"
+    assert set(ray_imports()) & RAY_IN_ENGINE == RAY_IN_ENGINE, "RAY_IN_ENGINE names a module that no longer imports Ray"

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +44,8 @@ class _StepInFlight:
 
 @dataclass(slots=True, eq=False)
 class _RequestState:
+    """The engine's record of one sequence: its detokenizer, metrics, logprobs and what was sent."""
+
     seq: Sequence
     prompt: str | None
     detokenizer: IncrementalDetokenizer
@@ -418,9 +420,6 @@ class LLMEngine:
         consumer that lost track (the router's index after a restart). Safe from another thread."""
         with self._lock:
             return self.kv_manager.pool.snapshot_events()
-
-    def subscribe_kv_events(self, callback: Callable[[KVEvent], None]) -> None:
-        self.kv_manager.pool.subscribe(callback)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()

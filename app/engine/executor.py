@@ -98,10 +98,6 @@ class Executor(ABC):
     def __init__(self) -> None:
         self._messages = StepMessageBuilder()
 
-    def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput]:
-        """Run one scheduled step; the sequences that sampled a token and what they sampled."""
-        return self.collect(self.launch(sched))
-
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Start one scheduled step; collect() waits for it. Executors that cannot run a step in the
         background (supports_async False) run it here."""
