@@ -27,8 +27,8 @@ import msgpack
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.kv_events.wire import event_from_wire  # noqa: E402
-from app.router.index import PrefixIndex  # noqa: E402
 from app.kv_events.zmq_transport import BlockRehasher, ZmqEventPublisher, ZmqEventSubscriber  # noqa: E402
+from app.router.index import PrefixIndex  # noqa: E402
 
 
 def make_batches(num_batches: int, per_batch: int, block_size: int, sessions: int = 1000) -> list[list[dict]]:

@@ -3,9 +3,9 @@
 import msgpack
 import pytest
 
-from app.kv_events.block_hash import hash_request_tokens
 from app.engine.engine import LLMEngine
 from app.engine.sampling_params import SamplingParams
+from app.kv_events.block_hash import hash_request_tokens
 from app.kv_events.wire import (
     AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch, event_from_wire,
 )

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from app.config import EngineConfig
-from app.kv_events.block_hash import hash_request_tokens
 from app.engine.errors import InvalidRequestError
-from app.kv_events.schema import BlockStored
 from app.engine.sampling_params import SamplingParams
 from app.engine.vllm_engine import UnsupportedSettingError, vllm_engine_args
+from app.kv_events.block_hash import hash_request_tokens
+from app.kv_events.schema import BlockStored
 
 sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))
 from peer_model import write_peer_model  # noqa: E402

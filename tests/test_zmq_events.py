@@ -20,8 +20,8 @@ import pytest
 
 from app.kv_events.block_hash import hash_request_tokens
 from app.kv_events.schema import AllBlocksCleared, BlockRemoved, BlockStored
-from app.router.index import PrefixIndex
 from app.kv_events.zmq_transport import BlockRehasher, ZmqEventPublisher, ZmqEventSubscriber
+from app.router.index import PrefixIndex
 
 BS = 4
 

@@ -17,13 +17,13 @@ from app.engine.errors import InvalidRequestError
 from app.engine.executor import Executor, LaunchedStep, LocalExecutor
 from app.engine.kv_cache import KVCacheSpec, kv_bytes_per_token
 from app.engine.kv_cache_manager import KVCacheManager
-from app.kv_events.schema import KVEvent
-from app.engine.model_source import load_model_config, resolve_tokenizer
 from app.engine.model_runner import resolve_dtype
+from app.engine.model_source import load_model_config, resolve_tokenizer
 from app.engine.outputs import RequestMetrics, RequestOutput
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerOutput, check_prompt_ids
 from app.engine.sequence import Sequence, SequenceStatus
+from app.kv_events.schema import KVEvent
 
 logger = logging.getLogger(__name__)
 

@@ -39,10 +39,10 @@ from app.config import EngineConfig, FP4Config
 from app.engine.outputs import RequestMetrics, RequestOutput
 from app.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError,
                                RequestTimeoutError)
-from app.kv_events.schema import KVEvent
 from app.engine.model_source import DUMMY_MODELS, load_model_config, resolve_tokenizer
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import check_prompt_ids, check_request_fits
+from app.kv_events.schema import KVEvent
 
 logger = logging.getLogger(__name__)
 
