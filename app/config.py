@@ -261,7 +261,7 @@ class ServerConfig(BaseModel):
     )
     kv_events_endpoint: str | None = Field(
         None, description="Also publish each replica's KV events over ZMQ the way vLLM does (PUB + replay socket, "
-        "vLLM's msgpack batches; app/router/zmq_events.py), for consumers outside the application: a bind address, "
+        "vLLM's msgpack batches; app/kv_events/zmq_transport.py), for consumers outside the application: a bind address, "
         "'tcp://*:0' (a free port per replica) or 'ipc:///path'. The replay socket binds beside it (a free port; "
         "'<path>-replay'). The bound addresses are in the replica's stats (kv_events_endpoint, "
         "kv_events_replay_endpoint). None: the application's index only.",

@@ -46,8 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app import LLM, SamplingParams  # noqa: E402
 from app.config import EngineConfig  # noqa: E402
-from app.engine.model_config import resolve_tokenizer  # noqa: E402
-from app.engine.model_config import load_model_config  # noqa: E402
+from app.engine.model_source import resolve_tokenizer  # noqa: E402
+from app.engine.model_source import load_model_config  # noqa: E402
 
 SECTIONS = ("throughput", "hf", "capacity", "steps")
 STEP_KEYS = ("schedule_s", "prepare_s", "forward_s", "sample_s", "output_s", "total_s")

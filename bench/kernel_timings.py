@@ -360,7 +360,7 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
 def _smoke_shapes() -> dict:
     import dataclasses
 
-    from app.engine.model_config import DUMMY_MODELS
+    from app.engine.model_source import DUMMY_MODELS
 
     eight_b = DUMMY_MODELS["llama-3.1-8b"]
     return {"8B": eight_b, "8B-kv4": dataclasses.replace(eight_b, num_key_value_heads=4)}

@@ -1,4 +1,4 @@
-"""How many KV events per second the ZMQ subscriber follows (app/router/zmq_events.py).
+"""How many KV events per second the ZMQ subscriber follows (app/kv_events/zmq_transport.py).
 
 Publishes --batches batches of --events BlockStored events each (one block of --block-size tokens
 per event, chained per session, in vLLM's wire layout with publisher-side sha256 hashes) as fast
@@ -26,9 +26,9 @@ import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.router.events import event_from_wire  # noqa: E402
+from app.kv_events.wire import event_from_wire  # noqa: E402
+from app.kv_events.zmq_transport import BlockRehasher, ZmqEventPublisher, ZmqEventSubscriber  # noqa: E402
 from app.router.index import PrefixIndex  # noqa: E402
-from app.router.zmq_events import BlockRehasher, ZmqEventPublisher, ZmqEventSubscriber  # noqa: E402
 
 
 def make_batches(num_batches: int, per_batch: int, block_size: int, sessions: int = 1000) -> list[list[dict]]:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.engine.block_hash import hash_block_tokens  # noqa: E402
-from app.engine.kv_events import BlockRemoved, BlockStored  # noqa: E402
+from app.kv_events.block_hash import hash_block_tokens  # noqa: E402
+from app.kv_events.schema import BlockRemoved, BlockStored  # noqa: E402
 from app.router.index import PrefixIndex  # noqa: E402
 from app.router.policy import RoutingPolicy, choose  # noqa: E402
 

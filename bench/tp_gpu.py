@@ -209,8 +209,8 @@ def _allreduce_worker(rank: int, world: int, address: str, rows: int, hidden: in
 def run_allreduce(args, R: dict) -> None:
     import multiprocessing as mp
 
-    from app.engine.model_config import load_model_config
-    from app.engine.tp_worker import free_port_address
+    from app.engine.model_source import load_model_config
+    from app.engine.tp_rank import free_port_address
 
     mc = load_model_config(args.model)
     ctx = mp.get_context("spawn")

@@ -4,7 +4,7 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.engine.block_hash import ROOT_BLOCK_HASH, hash_block_tokens, hash_request_tokens
+from app.kv_events.block_hash import ROOT_BLOCK_HASH, hash_block_tokens, hash_request_tokens
 
 
 def test_chained_and_full_blocks_only():
@@ -31,7 +31,7 @@ def test_stable_across_processes_and_without_torch():
     """A fresh interpreter (other hash seed, torch blocked) computes the same values."""
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "from app.engine.block_hash import hash_request_tokens\n"
+        "from app.kv_events.block_hash import hash_request_tokens\n"
         "print(hash_request_tokens(list(range(40)), 16))"
     )
     out = subprocess.run(

@@ -2,12 +2,12 @@
 
 import pytest
 
-from app.engine.block_hash import hash_request_tokens
 from app.engine.block_pool import BlockPool, NoFreeBlocksError
 from app.engine.kv_cache_manager import KVCacheManager
-from app.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, event_from_dict, event_to_dict
 from app.engine.sampling_params import SamplingParams
 from app.engine.sequence import Sequence
+from app.kv_events.block_hash import hash_request_tokens
+from app.kv_events.schema import AllBlocksCleared, BlockRemoved, BlockStored, event_from_dict, event_to_dict
 
 
 def seq(rid, tokens):

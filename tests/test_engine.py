@@ -8,7 +8,7 @@ import torch
 
 from app import LLM, SamplingParams
 from app.engine.errors import InvalidRequestError
-from app.engine.kv_events import BlockRemoved, BlockStored
+from app.kv_events.schema import BlockRemoved, BlockStored
 
 from conftest import STORIES_GREEDY
 

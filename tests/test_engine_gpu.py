@@ -15,7 +15,7 @@ import torch
 
 from app import LLM, SamplingParams
 from app.engine.loader import load_model
-from app.engine.model_config import DUMMY_MODELS
+from app.engine.model_source import DUMMY_MODELS
 from app.engine.models.llama import LlamaConfig
 from app.engine.model_runner import graph_batch_sizes
 from app.engine.widen import copy_widened, widen_config

@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from app.engine.gguf_file import GGUFFile, resolve_model_name  # noqa: E402
 from app.engine.loader import load_model  # noqa: E402
+from app.engine.tokenizer import GGUFTokenizer  # noqa: E402
 from tests.test_llama_model import PagedRun, hf_logits  # noqa: E402
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -153,7 +154,7 @@ def test_small_gguf_logits_match_transformers(tmp_path, types, tie):
 def test_small_gguf_tokenizer_matches_transformers(tmp_path):
     path = tmp_path / "small.gguf"
     write_llama_gguf(path, {})
-    ours = GGUFFile(path).tokenizer()
+    ours = GGUFTokenizer(GGUFFile(path))
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     for text in ["the thing in there", "Hello, world! 123", " leading space", "<|start|>the<|end|>"]:
         assert ours.encode(text) == theirs.encode(text), text
@@ -249,7 +250,7 @@ def test_smollm2_config(smollm2):
 @needs_smollm2
 def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2):
     path, f = smollm2
-    ours = f.tokenizer()
+    ours = GGUFTokenizer(f)
     theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     texts = [QUESTION, "Hello  world\n\n  indented", "Numbers 12345 and 3.14", "émoji 😀 日本語", "<|im_start|>user"]
     for text in texts:
@@ -265,7 +266,7 @@ def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2):
 def test_smollm2_logits_match_transformers_prefill_and_decode(smollm2, smollm2_hf):
     path, f = smollm2
     hf = smollm2_hf
-    tok = f.tokenizer()
+    tok = GGUFTokenizer(f)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
     out, seq = _our_logits(path, prompt, decode_steps=4)
     torch.testing.assert_close(out[0], hf_logits(hf, prompt), atol=1e-3, rtol=1e-3)

@@ -110,7 +110,7 @@ def test_client_errors_are_one_warning_line_in_the_replica_logs(handle):
 
     import ray
 
-    from app.deployments.types import GenerateRequest
+    from app.serving_types import GenerateRequest
     from app.engine.errors import InvalidRequestError
     from app.engine.sampling_params import SamplingParams
 

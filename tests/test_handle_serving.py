@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from app.deployments.types import ModelInfo
+from app.serving_types import ModelInfo
 from app.deployments.protocol import BadRequestError, CompletionStreamResponse
 from app.deployments.serving import OpenAIServing
-from app.engine.block_hash import hash_request_tokens
+from app.kv_events.block_hash import hash_request_tokens
 from app.engine.outputs import RequestOutput
 
 BLOCK_SIZE = 4

@@ -13,7 +13,7 @@ import pytest
 from ray import serve
 
 from app.config import EngineConfig
-from app.engine.model_config import load_model_config, resolve_tokenizer
+from app.engine.model_source import load_model_config, resolve_tokenizer
 from conftest import STORIES_GREEDY, STORIES_MODEL, STORIES_TOKENIZER
 from serve_testing import local_serve, run_apps, wait_until
 

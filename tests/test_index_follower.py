@@ -7,9 +7,10 @@ import time
 
 import pytest
 
-from app.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from app.router.events import encode_batch
-from app.router.index_actor import CHANGE_LOG_LEN, INDEX_NAMESPACE, IndexFollower, KVIndexActor, index_actor_name
+from app.kv_events.schema import AllBlocksCleared, BlockRemoved, BlockStored
+from app.kv_events.wire import encode_batch
+from app.router.index_actor import CHANGE_LOG_LEN, INDEX_NAMESPACE, KVIndexActor, index_actor_name
+from app.router.index_follower import IndexFollower
 
 
 def stored(*hashes):
@@ -106,7 +107,8 @@ def test_index_deployment_health_check_waits_out_a_restart_and_replaces_a_dead_i
     keeps the deployment healthy (failing it would make Serve replace the deployment's replica,
     whose destructor kills the index for good: the flake CI once hit); an index dead for good is
     replaced under the same name; one unresponsive past the limit fails the check."""
-    from app.router.index_actor import KVIndex, get_index
+    from app.deployments.kv_index import KVIndex
+    from app.router.index_actor import get_index
 
     class _SlowIndex(KVIndexActor):
         """An index whose ping hangs while `hang` is set (a loaded node, or a restart in progress)."""

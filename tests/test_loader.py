@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from app.engine.attention import AttentionMetadata
 from app.engine.kv_cache import KVCacheSpec, create_kv_cache
 from app.engine.loader import load_model
-from app.engine.model_config import DUMMY_MODELS
+from app.engine.model_source import DUMMY_MODELS
 from app.engine.models.llama import LlamaConfig, LlamaForCausalLM
 
 ATOL, RTOL = 1e-4, 1e-4  # fp32 model vs fp32 (HF) or fp64 (numpy) reference

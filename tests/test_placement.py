@@ -18,7 +18,8 @@ from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from app import LLM, SamplingParams
-from app.engine.parallel import PLACEMENT_STRATEGY, TPWorkerGroup, placement_bundles
+from app.engine.placement import PLACEMENT_STRATEGY, placement_bundles
+from app.engine.ray_executor import TPWorkerGroup
 
 from tp_helpers import run_in_placement_group
 
@@ -62,7 +63,7 @@ def test_tp8_replicas_take_whole_nodes_and_a_third_stays_pending(gpu_nodes, capl
         table = placement_group_table(pending)
         assert table["state"] == "PENDING" and not any(table["bundles_to_node_id"].values())
         # A replica that creates its own group reports what did not fit, and gives up cleanly.
-        with caplog.at_level(logging.WARNING, logger="app.engine.parallel"):
+        with caplog.at_level(logging.WARNING, logger="app.engine.ray_executor"):
             with pytest.raises(RuntimeError, match=r"8 bundles \{'GPU': 1.0, 'CPU': 0.1\} \(STRICT_PACK: all on one "
                                                    r"node\) was not placed within 6 s"):
                 TPWorkerGroup(GPUS_PER_NODE, gpu=True, cpus_per_worker=0.1, placement_timeout_s=6)

@@ -99,7 +99,7 @@ def test_two_tp8_replicas_take_one_node_each_and_a_third_stays_pending(cluster):
     assert len(set(used)) == 2  # the two replicas on different nodes
 
     # the engines work across their 8 workers
-    from app.deployments.types import GenerateRequest
+    from app.serving_types import GenerateRequest
     from app.engine.sampling_params import SamplingParams
 
     outs = list(handle.options(stream=True).generate.remote(

@@ -3,10 +3,10 @@
 import msgpack
 import pytest
 
-from app.engine.block_hash import hash_request_tokens
 from app.engine.engine import LLMEngine
 from app.engine.sampling_params import SamplingParams
-from app.router.events import (
+from app.kv_events.block_hash import hash_request_tokens
+from app.kv_events.wire import (
     AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch, event_from_wire,
 )
 from app.router.index import PrefixIndex
@@ -157,9 +157,9 @@ def test_a_gap_in_the_batches_drops_the_replica_and_asks_for_a_resync():
 
 
 def test_retain_from_a_stale_view_keeps_replicas_that_are_alive():
-    from app.router.index_actor import KVIndexActor
+    from app.deployments.kv_index import KVIndexWithStats  # the actor as deployed: stats reports are heartbeats
 
-    index = KVIndexActor()
+    index = KVIndexWithStats()
     index.publish("live", 1, _batch(stored(1)))
     index.report_stats("quiet", {"num_running": 0})
     assert index.retain(["other"], grace_s=60) == []  # both were heard from within the grace period

@@ -11,8 +11,8 @@ import ray
 import yaml
 from ray import serve
 
-from app.engine.block_hash import hash_request_tokens
 from app.engine.tokenizer import ByteTokenizer
+from app.kv_events.block_hash import hash_request_tokens
 from app.router.policy import rendezvous_score
 from tests.serve_testing import REPO_ROOT, local_serve, wait_until
 

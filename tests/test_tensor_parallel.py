@@ -15,7 +15,7 @@ import ray
 
 from app import LLM, SamplingParams
 from app.engine.errors import EngineDeadError
-from app.engine.parallel import PLACEMENT_STRATEGY, placement_bundles
+from app.engine.placement import PLACEMENT_STRATEGY, placement_bundles
 
 from tp_helpers import ReplicaStandIn, run_in_placement_group
 

@@ -17,7 +17,7 @@ from app import LLM, SamplingParams
 from app.engine.engine import LLMEngine
 from app.engine.loader import load_model
 from app.engine.models.llama import shard_dim
-from app.engine.parallel import placement_bundles
+from app.engine.placement import placement_bundles
 
 from conftest import STORIES_MODEL
 

@@ -12,11 +12,11 @@ import asyncio
 import pytest
 
 from app.config import EngineConfig
-from app.engine.block_hash import hash_request_tokens
 from app.engine.errors import InvalidRequestError
-from app.engine.kv_events import BlockStored
 from app.engine.sampling_params import SamplingParams
 from app.engine.vllm_engine import UnsupportedSettingError, vllm_engine_args
+from app.kv_events.block_hash import hash_request_tokens
+from app.kv_events.schema import BlockStored
 
 from bench.peer_model import write_peer_model
 

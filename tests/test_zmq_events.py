@@ -1,9 +1,9 @@
-"""KV events over real ZMQ sockets (app/router/zmq_events.py): the subscriber keeps up with 10k
+"""KV events over real ZMQ sockets (app/kv_events/zmq_transport.py): the subscriber keeps up with 10k
 events/s, fills dropped sequence numbers from the replay socket, reports what the replay no
 longer holds; the rehasher keys a publisher's blocks by our chain hash.
 
 The publisher is vLLM's own `ZmqEventPublisher` where vLLM is installed (the vLLM CI step), and
-ours (app/router/zmq_events.py, written from vLLM's protocol: PUB frames topic / 8-byte sequence
+ours (app/kv_events/zmq_transport.py, written from vLLM's protocol: PUB frames topic / 8-byte sequence
 / msgpack batch; a ROUTER replay socket answering `[b"", start]` with the buffered batches and
 an end marker) with a switch to drop chosen sequence numbers on the PUB socket.
 """
@@ -18,10 +18,10 @@ import uuid
 import msgpack
 import pytest
 
-from app.engine.block_hash import hash_request_tokens
-from app.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from app.kv_events.block_hash import hash_request_tokens
+from app.kv_events.schema import AllBlocksCleared, BlockRemoved, BlockStored
+from app.kv_events.zmq_transport import BlockRehasher, ZmqEventPublisher, ZmqEventSubscriber
 from app.router.index import PrefixIndex
-from app.router.zmq_events import BlockRehasher, ZmqEventPublisher, ZmqEventSubscriber
 
 BS = 4
 
@@ -63,7 +63,7 @@ def test_rehasher_keys_blocks_by_our_chain_hash():
     tokens = list(range(100, 124))  # 6 blocks, stored in two events (the second's parent: the first's last)
     e1, h1 = _stored([], tokens[:8], None)
     e2, h2 = _stored(tokens[:8], tokens[8:], h1[-1])
-    from app.router.events import event_from_wire
+    from app.kv_events.wire import event_from_wire
 
     out = r.translate([event_from_wire(e1), event_from_wire(e2)])
     ours = hash_request_tokens(tokens, BS)
@@ -288,7 +288,7 @@ def test_our_replica_publishes_its_kv_events_the_way_vllm_does(tmp_path):
     import asyncio
 
     from app.deployments.llm_server import LLMServer
-    from app.deployments.types import GenerateRequest
+    from app.serving_types import GenerateRequest
     from app.engine.sampling_params import SamplingParams
 
     ep = f"ipc://{tmp_path}/ours"

@@ -3,7 +3,7 @@
 `args` is a ServerConfig (app/config.py). The application is three deployments with stable names:
 `OpenAIIngress` (HTTP + Python handle API, stateless, scales out) in front of `LLMServer` (one
 engine replica per node), and `KVIndex` (one replica, no resources: it owns the application's KV
-index actor, which the replicas publish to and the routers follow; app/router/index_actor.py). Each LLMServer replica gets a placement group sized to its
+index actor, which the replicas publish to and the routers follow; app/deployments/kv_index.py). Each LLMServer replica gets a placement group sized to its
 tensor-parallel workers (placement_options below). Every Ray Serve option is derived here from
 `args`; an option set under `deployments:` in the YAML overrides the derived one (Ray Serve applies
 it after this builder runs).
@@ -19,9 +19,9 @@ from ray.serve.config import RequestRouterConfig
 
 from app.config import ServerConfig
 from app.deployments.ingress import OpenAIIngress
+from app.deployments.kv_index import INDEX_DEPLOYMENT_NAME, KVIndex
 from app.deployments.llm_server import LLMServer
-from app.engine.parallel import placement_bundles
-from app.router.index_actor import INDEX_DEPLOYMENT_NAME, KVIndex
+from app.engine.placement import DEFAULT_CPUS_PER_WORKER, placement_bundles
 
 LLM_SERVER_NAME = "LLMServer"
 INGRESS_NAME = "OpenAIIngress"
@@ -45,7 +45,7 @@ def placement_options(config: ServerConfig) -> dict:
     """
     gpu = uses_gpu(config)
     p = config.placement
-    cpus_per_worker = p.cpus_per_worker if p.cpus_per_worker is not None else (1.0 if gpu else 0.1)
+    cpus_per_worker = p.cpus_per_worker if p.cpus_per_worker is not None else DEFAULT_CPUS_PER_WORKER[gpu]
     replica_cpus = p.replica_cpus if p.replica_cpus is not None else (1.0 if gpu else 0.2)
     tp = config.engine.tensor_parallel_size
     if tp > 1 and config.engine.distributed_executor_backend == "mp":

@@ -4,7 +4,7 @@ The ingress tokenizes and sends a `GenerateRequest`; `generate` streams the engi
 `RequestOutput` deltas back (call it with `handle.options(stream=True)`). A caller that goes away
 cancels the stream, which aborts the request and frees its KV blocks. The replica publishes its
 KV events, in numbered batches, and its engine stats (each time Ray Serve calls
-`record_routing_stats`) to the application's index actor (app/router/index_actor.py), which the
+`record_routing_stats`) to the application's index actor (app/deployments/kv_index.py), which the
 KV-aware routers follow and /metrics reads.
 
 The engine class is injected (`engine_cls`), so a test can run the server on any engine with the
@@ -20,12 +20,12 @@ import time
 from collections.abc import AsyncIterator
 
 from app.config import ServerConfig
+from app.deployments import logs
 from app.engine.async_engine import AsyncLLMEngine
 from app.engine.outputs import RequestOutput
-from app.engine.kv_events import KVEvent
-from app.deployments import logs
-from app.deployments.types import GenerateRequest, ModelInfo
-from app.router.events import encode_batch
+from app.kv_events.schema import KVEvent
+from app.kv_events.wire import encode_batch
+from app.serving_types import GenerateRequest, ModelInfo
 
 __all__ = ["LLMServer", "GenerateRequest", "ModelInfo"]
 
@@ -196,7 +196,7 @@ class LLMServer:
 
 def _zmq_publisher(endpoint: str):
     """The ZMQ publisher of kv_events_endpoint; a tcp endpoint names this node's address."""
-    from app.router.zmq_events import ZmqEventPublisher
+    from app.kv_events.zmq_transport import ZmqEventPublisher
 
     if endpoint.startswith("ipc://"):
         return ZmqEventPublisher(endpoint, endpoint + "-replay")

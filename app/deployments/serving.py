@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app.config import ServerConfig
 from app.deployments.errors import parse_request, to_openai_error
-from app.deployments.types import GenerateRequest, ModelInfo
+from app.serving_types import GenerateRequest, ModelInfo
 from app.deployments.metrics import IngressMetrics
 from app.deployments.protocol import (
     BadRequestError,
@@ -48,11 +48,11 @@ from app.deployments.protocol import (
     UsageInfo,
     new_id,
 )
-from app.engine.block_hash import hash_request_tokens
+from app.kv_events.block_hash import hash_request_tokens
 from app.engine.outputs import RequestOutput
 from app.engine.errors import InvalidRequestError
 from app.engine.scheduler import check_prompt_ids, check_request_fits
-from app.engine.model_config import load_model_config, resolve_tokenizer
+from app.engine.model_source import load_model_config, resolve_tokenizer
 from app.engine.sampling_params import SamplingParams
 from app.engine.tokenizer import ChatTemplateError
 

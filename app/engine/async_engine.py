@@ -23,8 +23,8 @@ from app.engine.engine import LLMEngine
 from app.engine.outputs import RequestOutput
 from app.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError,
                                RequestTimeoutError)
-from app.engine.kv_events import KVEvent
 from app.engine.sampling_params import SamplingParams
+from app.kv_events.schema import KVEvent
 
 logger = logging.getLogger(__name__)
 

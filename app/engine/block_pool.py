@@ -11,8 +11,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from app.engine.block_hash import BlockHash
-from app.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from app.kv_events.block_hash import BlockHash
+from app.kv_events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True, eq=False)

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -17,14 +17,14 @@ from app.engine.errors import InvalidRequestError
 from app.engine.executor import Executor, LaunchedStep, LocalExecutor
 from app.engine.kv_cache import KVCacheSpec, kv_bytes_per_token
 from app.engine.kv_cache_manager import KVCacheManager
-from app.engine.kv_events import KVEvent
-from app.engine.model_config import load_model_config, resolve_tokenizer
 from app.engine.model_runner import resolve_dtype
+from app.engine.model_source import load_model_config, resolve_tokenizer
 from app.engine.outputs import RequestMetrics, RequestOutput, prompt_logprobs_dicts
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerOutput, check_prompt_ids
 from app.engine.sequence import Sequence, SequenceStatus
 from app.engine.setting_checks import check_settings
+from app.kv_events.schema import KVEvent
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ class _StepInFlight:
 
 @dataclass(slots=True, eq=False)
 class _RequestState:
+    """The engine's record of one sequence: its detokenizer, metrics, logprobs and what was sent."""
+
     seq: Sequence
     prompt: str | None
     detokenizer: IncrementalDetokenizer
@@ -429,9 +431,6 @@ class LLMEngine:
         with self._lock:
             return self.kv_manager.pool.snapshot_events()
 
-    def subscribe_kv_events(self, callback: Callable[[KVEvent], None]) -> None:
-        self.kv_manager.pool.subscribe(callback)
-
     def reset_prefix_cache(self) -> bool:
         return self.kv_manager.reset_prefix_cache()
 
@@ -485,6 +484,6 @@ def create_executor(config: EngineConfig, vocab_size: int, max_model_len: int) -
         from app.engine.mp_executor import MultiprocExecutor
 
         return MultiprocExecutor(config, vocab_size, max_model_len)
-    from app.engine.parallel import RayExecutor  # imports Ray
+    from app.engine.ray_executor import RayExecutor  # imports Ray
 
     return RayExecutor(config, vocab_size, max_model_len)

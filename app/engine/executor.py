@@ -5,9 +5,9 @@ The engine hands each scheduled step to an Executor, which turns it into a compa
 
 - LocalExecutor (tensor_parallel_size 1): one ModelRunner in the engine's process; neither Ray
   nor torch.distributed is imported.
-- RayExecutor (app/engine/parallel.py, tensor_parallel_size > 1): one Ray actor per rank on the
+- RayExecutor (app/engine/ray_executor.py, tensor_parallel_size > 1): one Ray actor per rank on the
   bundles of a placement group; imported only when asked for (engine.create_executor picks, so
-  this module never imports parallel.py, which subclasses Executor).
+  this module never imports ray_executor.py, which subclasses Executor).
 
 Both speak the same messages, so tensor_parallel_size 1 exercises the same worker code as TP.
 """
@@ -97,10 +97,6 @@ class Executor(ABC):
 
     def __init__(self) -> None:
         self._messages = StepMessageBuilder()
-
-    def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput]:
-        """Run one scheduled step; the sequences that sampled a token and what they sampled."""
-        return self.collect(self.launch(sched))
 
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Start one scheduled step; collect() waits for it. Executors that cannot run a step in the

@@ -1,9 +1,10 @@
-"""GGUF files (llama.cpp's format): Llama-architecture models and their tokenizers.
+"""GGUF files (llama.cpp's format) of Llama-architecture models: metadata, config and tensors.
 
 Read with the `gguf` package (llama.cpp's own Python reader): the metadata becomes a LlamaConfig,
-each tensor is dequantized on load (`gguf.quants.dequantize`: F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1 and the K-quants among others) to float32 and copied into the model in its compute
-dtype, and the tokenizer is rebuilt from the metadata with the `tokenizers` library.
+each tensor is dequantized (`gguf.quants.dequantize`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+and the K-quants among others) to float32. The users of a GGUFFile: loader.py copies its tensors
+into the model in its compute dtype, tokenizer.py rebuilds its tokenizer from the metadata with the
+`tokenizers` library. No torch here.
 
 Facts of the format this relies on (llama.cpp's convert_hf_to_gguf.py and gguf-py):
 - Tensor names: token_embd, blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm,
@@ -22,15 +23,12 @@ Facts of the format this relies on (llama.cpp's convert_hf_to_gguf.py and gguf-p
 from __future__ import annotations
 
 import functools
-import sys
 from functools import cached_property
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
-from app.engine.models.config import LlamaConfig
-from app.engine.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer
+from app.engine.models.llama_config import LlamaConfig
 
 # model names that resolve to a GGUF file installed by a package (never imported: located only)
 MODEL_PACKAGES = {
@@ -43,9 +41,6 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_CONTROL, _USER_DEFINED = 3, 4
 
 
 def resolve_model_name(model: str) -> str:
@@ -149,44 +144,9 @@ class GGUFFile:
         out = np.asarray(out, dtype=np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
         return out if out.flags.writeable else out.copy()  # F32 tensors are views of the read-only map
 
-    def load_into(self, model) -> None:
-        """Every weight into `model` (a LlamaForCausalLM or a tensor-parallel shard of one), with a
-        progress bar on stderr."""
-        import torch
-        from tqdm import tqdm
 
-        from app.engine.loader import check_all_loaded, interleaved_to_half_rope
-
-        c = model.config
-        params = dict(model.named_parameters())
-        loaded, unexpected = set(), []
-        for name in tqdm(self.tensors, desc=f"loading {self.path.name}", unit="tensor", file=sys.stderr,
-                         mininterval=1.0, leave=False):
-            key = _hf_name(name)
-            if key is None or (key == "lm_head.weight" and c.tie_word_embeddings):
-                unexpected.append(name)
-                continue
-            if key not in params:
-                unexpected.append(name)
-                continue
-            w = torch.from_numpy(self.array(name))
-            expected = model.full_shape(key)
-            if tuple(w.shape) != tuple(expected):
-                raise ValueError(f"{self.path}: {name} has shape {tuple(w.shape)}, the model expects {expected}")
-            if key.endswith("self_attn.q_proj.weight"):
-                w = interleaved_to_half_rope(w, c.num_attention_heads)
-            elif key.endswith("self_attn.k_proj.weight"):
-                w = interleaved_to_half_rope(w, c.num_key_value_heads)
-            params[key].copy_(w[model.shard_slices(key)])
-            loaded.add(key)
-        check_all_loaded(str(self.path), params, loaded, unexpected)
-
-    # -- tokenizer -----------------------------------------------------------------------------
-    def tokenizer(self) -> "GGUFTokenizer":
-        return GGUFTokenizer(self)
-
-
-def _hf_name(name: str) -> str | None:
+def hf_weight_name(name: str) -> str | None:
+    """The Hugging Face parameter name of GGUF tensor `name` (None for tensors a Llama has not)."""
     base, _, suffix = name.rpartition(".")
     if suffix != "weight":
         return None
@@ -216,101 +176,3 @@ def _open_gguf(path: Path, mtime_ns: int, size: int) -> GGUFFile:
 
 def read_gguf_config(path: Path) -> LlamaConfig:
     return open_gguf(path).config()
-
-
-def load_gguf(model, path: Path) -> None:
-    open_gguf(path).load_into(model)
-
-
-# ---------------------------------------------------------------------------------------------
-# the tokenizer
-
-
-class GGUFTokenizer(Tokenizer):
-    """The tokenizer a GGUF file's metadata describes, as a `tokenizers` Tokenizer."""
-
-    def __init__(self, f: GGUFFile) -> None:
-        from tokenizers import AddedToken
-
-        kind = f.get("tokenizer.ggml.model")
-        tokens = f.get("tokenizer.ggml.tokens")
-        if not tokens:
-            raise ValueError(f"{f.path} carries no tokenizer (tokenizer.ggml.tokens); pass tokenizer=<path>")
-        types = f.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        if kind == "gpt2":
-            self._tok = _byte_level_bpe(f, tokens)
-        elif kind == "llama":
-            self._tok = _sentencepiece_bpe(f, tokens, types)
-        else:
-            raise ValueError(f"{f.path}: tokenizer model {kind!r} is not supported (gpt2, llama)")
-        self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                      for t, ty in zip(tokens, types) if ty == _CONTROL])
-        self._tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                              for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
-        self.vocab_size = len(tokens)
-        self.bos_token_id = f.get("tokenizer.ggml.bos_token_id")
-        self.eos_token_id = f.get("tokenizer.ggml.eos_token_id")
-        self.bos_token = tokens[self.bos_token_id] if self.bos_token_id is not None else ""
-        self.eos_token = tokens[self.eos_token_id] if self.eos_token_id is not None else ""
-        eot = f.get("tokenizer.ggml.eot_token_id")
-        self.eos_token_ids = frozenset(i for i in (self.eos_token_id, eot) if i is not None)
-        self.all_special_ids = frozenset(i for i, ty in enumerate(types) if ty == _CONTROL)
-        self._add_bos = bool(f.get("tokenizer.ggml.add_bos_token", kind == "llama")) and self.bos_token_id is not None
-        self._add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False)) and self.eos_token_id is not None
-        self.chat_template = f.get("tokenizer.chat_template") or DEFAULT_CHAT_TEMPLATE
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_special_tokens:
-            ids = ([self.bos_token_id] if self._add_bos else []) + ids + ([self.eos_token_id] if self._add_eos else [])
-        return ids
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-
-
-def _byte_level_bpe(f: GGUFFile, tokens: list[str]):
-    from tokenizers import Regex, Tokenizer as Tok, decoders, models, pre_tokenizers
-
-    merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges") or []]
-    tok = Tok(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    pre = f.get("tokenizer.ggml.pre", "default")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre in ("llama-bpe", "llama3", "llama-v3"):
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    else:  # "default", "gpt2" and the rest: GPT-2's split
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    return tok
-
-
-def _sentencepiece_bpe(f: GGUFFile, tokens: list[str], types: list[int]):
-    from tokenizers import Tokenizer as Tok, decoders, models, normalizers
-
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = f.get("tokenizer.ggml.merges")
-    if merges:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-    else:  # implied by the scores: every split of a token into two tokens, best-scored merges first
-        scores = f.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        found = []
-        for token, i in vocab.items():
-            for k in range(1, len(token)):
-                left, right = token[:k], token[k:]
-                if left in vocab and right in vocab:
-                    found.append((-scores[i], vocab[left], vocab[right], left, right))
-        pairs = [(left, right) for *_, left, right in sorted(found)]
-    unk = f.get("tokenizer.ggml.unknown_token_id")
-    tok = Tok(models.BPE(vocab=vocab, merges=pairs, unk_token=tokens[unk] if unk is not None else None,
-                         fuse_unk=True, byte_fallback=True))
-    prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
-    tok.normalizer = normalizers.Sequence(
-        ([normalizers.Prepend("\u2581")] if prefix else []) + [normalizers.Replace(" ", "\u2581")])
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-        + ([decoders.Strip(content=" ", left=1, right=0)] if prefix else []))
-    return tok

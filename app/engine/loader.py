@@ -6,7 +6,7 @@ Accepted forms of `model`:
   model.safetensors.index.json), or random weights with load_format="dummy";
 - a path ending in .bin: a llama2.c "v0" checkpoint (e.g. shared/models/stories260K);
 - a path ending in .gguf, or a name in gguf_file.MODEL_PACKAGES (smollm2-135m-instruct): a GGUF
-  file, dequantized on load (app/engine/gguf_file.py).
+  file, dequantized on load (read by app/engine/gguf_file.py).
 
 The model is built on the meta device and materialized directly on `device` in `dtype`, so an
 8B model never exists in fp32 on the CPU.
@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
-from app.engine.gguf_file import load_gguf
-from app.engine.model_config import LLAMA2C_HEADER, model_source
+from app.engine.gguf_file import hf_weight_name, open_gguf
+from app.engine.model_source import LLAMA2C_HEADER, model_source
 from app.engine.models.llama import LlamaConfig, LlamaForCausalLM
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -51,7 +52,7 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)} (got {load_format!r})")
     config, kind, path = model_source(model)
-    load = {"dummy": None, "safetensors": _load_safetensors_dir, "llama2c": _load_llama2c, "gguf": load_gguf}[kind]
+    load = {"dummy": None, "safetensors": _load_safetensors_dir, "llama2c": _load_llama2c, "gguf": _load_gguf}[kind]
     device = torch.device(device)
     with torch.device("meta"):
         module = LlamaForCausalLM(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
@@ -183,3 +184,34 @@ def _load_llama2c(model: LlamaForCausalLM, path: Path) -> None:
         load("lm_head.weight", take(vocab, dim))
     if offset != data.size:
         raise ValueError(f"{path} has {data.size - offset} float32 values beyond the weights its header describes")
+
+
+def _load_gguf(model: LlamaForCausalLM, path: Path) -> None:
+    """Every weight of a GGUF file into `model` (or this rank's shard of it), dequantized to float32
+    and copied in the model's dtype, with a progress bar on stderr."""
+    from tqdm import tqdm
+
+    f = open_gguf(path)
+    c = model.config
+    params = dict(model.named_parameters())
+    loaded, unexpected = set(), []
+    for name in tqdm(f.tensors, desc=f"loading {f.path.name}", unit="tensor", file=sys.stderr,
+                     mininterval=1.0, leave=False):
+        key = hf_weight_name(name)
+        if key is None or (key == "lm_head.weight" and c.tie_word_embeddings):
+            unexpected.append(name)
+            continue
+        if key not in params:
+            unexpected.append(name)
+            continue
+        w = torch.from_numpy(f.array(name))
+        expected = model.full_shape(key)
+        if tuple(w.shape) != tuple(expected):
+            raise ValueError(f"{f.path}: {name} has shape {tuple(w.shape)}, the model expects {expected}")
+        if key.endswith("self_attn.q_proj.weight"):
+            w = interleaved_to_half_rope(w, c.num_attention_heads)
+        elif key.endswith("self_attn.k_proj.weight"):
+            w = interleaved_to_half_rope(w, c.num_key_value_heads)
+        params[key].copy_(w[model.shard_slices(key)])
+        loaded.add(key)
+    check_all_loaded(str(f.path), params, loaded, unexpected)

@@ -79,7 +79,10 @@ class StepMessage:
 
 
 @dataclass(slots=True)
-class _RequestState:
+class _CachedRequest:
+    """A request as a rank keeps it between steps (vLLM's CachedRequestState); the engine's own
+    record of a request is engine.py's _RequestState."""
+
     block_table: list[int]
     params: SamplingParams
     row: int  # its row of the device block table (InputBuffers.table)
@@ -173,7 +176,7 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.buffers: InputBuffers | None = None
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed)) if tp_rank == 0 else None
-        self.requests: dict[str, _RequestState] = {}
+        self.requests: dict[str, _CachedRequest] = {}
         self.generators: dict[str, torch.Generator] = {}  # rank 0: requests with a seed
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, logits)
         self.graphs_disabled_reason: str | None = None
@@ -236,7 +239,7 @@ class ModelRunner:
             if r.params is not None:
                 old = self.requests.get(r.request_id)
                 row = old.row if old is not None else buf.take_row()
-                self.requests[r.request_id] = _RequestState(list(r.block_ids), r.params, row)
+                self.requests[r.request_id] = _CachedRequest(list(r.block_ids), r.params, row)
                 if self.sampler is not None and r.params.seed is not None and r.request_id not in self.generators:
                     try:  # a request's own fault: it fails, the step and the other requests go on
                         self.generators[r.request_id] = torch.Generator(self.device).manual_seed(r.params.seed)

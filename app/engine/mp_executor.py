@@ -18,7 +18,7 @@ request gets the error), instead of waiting out NCCL's own timeout. A rank that 
 of them the same way.
 
 vLLM also runs single-node tensor parallelism in worker processes and keeps Ray for multi-node;
-the worker code here is the Ray executor's (tp_worker.start_rank, ModelRunner.execute).
+the worker code here is the Ray executor's (tp_rank.start_rank, ModelRunner.execute).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _worker_main(rank: int, tp_size: int, config: EngineConfig, vocab_size: int,
     """A worker process: load, then answer commands until told to stop or the pipe closes."""
     import torch
 
-    from app.engine.tp_worker import start_rank
+    from app.engine.tp_rank import start_rank
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -108,7 +108,7 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, config: EngineConfig, vocab_size: int, max_model_len: int) -> None:
         super().__init__()
-        from app.engine.tp_worker import free_port_address
+        from app.engine.tp_rank import free_port_address
 
         self.tp_size = tp = config.tensor_parallel_size
         self.execute_timeout_s = config.execute_timeout_s

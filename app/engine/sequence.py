@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from app.engine.block_hash import BlockHash, hash_block_tokens
 from app.engine.sampling_params import SamplingParams
+from app.kv_events.block_hash import BlockHash, hash_block_tokens
 
 
 # A token that a step in flight is sampling: its id is not known on the host yet (async scheduling).

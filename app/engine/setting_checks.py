@@ -13,7 +13,7 @@ import os
 
 from app.config import EngineConfig, FP4Config
 from app.engine.gguf_file import MODEL_PACKAGES
-from app.engine.model_config import DUMMY_MODELS
+from app.engine.model_source import DUMMY_MODELS
 
 # vLLM's CPU attention backend takes pages of a multiple of 32 tokens only (vLLM 0.32).
 CPU_BLOCK_MULTIPLE = 32

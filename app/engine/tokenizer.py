@@ -1,4 +1,5 @@
-"""Tokenizers behind one small interface: bytes (dummy models), llama2.c tok512.bin, Hugging Face.
+"""Tokenizers behind one small interface: bytes (dummy models), llama2.c tok512.bin, Hugging Face,
+GGUF metadata.
 
 Pure Python (no torch). `load_tokenizer` picks the implementation from the path.
 """
@@ -13,10 +14,13 @@ from abc import ABC, abstractmethod
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from app.engine.gguf_file import GGUFFile
 
 # Used by ByteTokenizer and by any tokenizer that ships no chat template of its own.
 DEFAULT_CHAT_TEMPLATE = (
@@ -349,6 +353,102 @@ def _pick_chat_template(directory: Path, template: str | list | None) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+# GGUF metadata (tokenizer.ggml.*; see gguf_file.py for the facts of the format this relies on)
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CONTROL, _USER_DEFINED = 3, 4  # token types
+
+
+class GGUFTokenizer(Tokenizer):
+    """The tokenizer a GGUF file's metadata describes, as a `tokenizers` Tokenizer."""
+
+    def __init__(self, f: GGUFFile) -> None:
+        from tokenizers import AddedToken
+
+        kind = f.get("tokenizer.ggml.model")
+        tokens = f.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ValueError(f"{f.path} carries no tokenizer (tokenizer.ggml.tokens); pass tokenizer=<path>")
+        types = f.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if kind == "gpt2":
+            self._tok = _byte_level_bpe(f, tokens)
+        elif kind == "llama":
+            self._tok = _sentencepiece_bpe(f, tokens, types)
+        else:
+            raise ValueError(f"{f.path}: tokenizer model {kind!r} is not supported (gpt2, llama)")
+        self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                      for t, ty in zip(tokens, types) if ty == _CONTROL])
+        self._tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                              for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        self.vocab_size = len(tokens)
+        self.bos_token_id = f.get("tokenizer.ggml.bos_token_id")
+        self.eos_token_id = f.get("tokenizer.ggml.eos_token_id")
+        self.bos_token = tokens[self.bos_token_id] if self.bos_token_id is not None else ""
+        self.eos_token = tokens[self.eos_token_id] if self.eos_token_id is not None else ""
+        eot = f.get("tokenizer.ggml.eot_token_id")
+        self.eos_token_ids = frozenset(i for i in (self.eos_token_id, eot) if i is not None)
+        self.all_special_ids = frozenset(i for i, ty in enumerate(types) if ty == _CONTROL)
+        self._add_bos = bool(f.get("tokenizer.ggml.add_bos_token", kind == "llama")) and self.bos_token_id is not None
+        self._add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False)) and self.eos_token_id is not None
+        self.chat_template = f.get("tokenizer.chat_template") or DEFAULT_CHAT_TEMPLATE
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens:
+            ids = ([self.bos_token_id] if self._add_bos else []) + ids + ([self.eos_token_id] if self._add_eos else [])
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def _byte_level_bpe(f: GGUFFile, tokens: list[str]):
+    from tokenizers import Regex, Tokenizer as Tok, decoders, models, pre_tokenizers
+
+    merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges") or []]
+    tok = Tok(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    pre = f.get("tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in ("llama-bpe", "llama3", "llama-v3"):
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:  # "default", "gpt2" and the rest: GPT-2's split
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(f: GGUFFile, tokens: list[str], types: list[int]):
+    from tokenizers import Tokenizer as Tok, decoders, models, normalizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = f.get("tokenizer.ggml.merges")
+    if merges:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:  # implied by the scores: every split of a token into two tokens, best-scored merges first
+        scores = f.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        found = []
+        for token, i in vocab.items():
+            for k in range(1, len(token)):
+                left, right = token[:k], token[k:]
+                if left in vocab and right in vocab:
+                    found.append((-scores[i], vocab[left], vocab[right], left, right))
+        pairs = [(left, right) for *_, left, right in sorted(found)]
+    unk = f.get("tokenizer.ggml.unknown_token_id")
+    tok = Tok(models.BPE(vocab=vocab, merges=pairs, unk_token=tokens[unk] if unk is not None else None,
+                         fuse_unk=True, byte_fallback=True))
+    prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
+    tok.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend("\u2581")] if prefix else []) + [normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(content=" ", left=1, right=0)] if prefix else []))
+    return tok
+
+
 def load_tokenizer(path: str | None, vocab_size: int | None = None) -> Tokenizer:
     """None -> ByteTokenizer; *.bin -> llama2.c; a directory with tokenizer.json (or that file) ->
     Hugging Face; *.gguf -> the tokenizer in the GGUF file's metadata. vocab_size is the model's:
@@ -361,7 +461,7 @@ def load_tokenizer(path: str | None, vocab_size: int | None = None) -> Tokenizer
     elif p.suffix.lower() == ".gguf":
         from app.engine.gguf_file import open_gguf
 
-        tokenizer = open_gguf(p).tokenizer()
+        tokenizer = GGUFTokenizer(open_gguf(p))
     elif (p.is_dir() and (p / "tokenizer.json").is_file()) or (p.is_file() and p.name == "tokenizer.json"):
         tokenizer = HFTokenizer(p)
     else:

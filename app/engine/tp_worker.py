@@ -1,4 +1,4 @@
-"""One tensor-parallel rank as a Ray actor (RayExecutor in parallel.py starts one per bundle).
+"""One tensor-parallel rank as a Ray actor (RayExecutor in ray_executor.py starts one per bundle).
 
 Importing this module imports neither torch nor the model: a worker first only records where
 Ray placed it (node, GPU ids, CUDA_VISIBLE_DEVICES, bundle), which is all a placement check
@@ -14,10 +14,8 @@ lets them report their GPU ids, and runs them on the CPU with gloo without touch
 from __future__ import annotations
 
 import os
-import socket
-from datetime import timedelta
 
-COLLECTIVE_TIMEOUT_S = 600  # a collective that waits longer (a rank hung or gone) raises
+from app.engine.tp_rank import free_port_address, start_rank
 
 
 class TPWorker:
@@ -59,30 +57,3 @@ class TPWorker:
 
     def execute(self, message):
         return self.runner.execute(message)
-
-
-def start_rank(config, vocab_size: int, max_model_len: int, rank: int, tp_size: int, init_method: str,
-               backend: str, cuda_index: int):
-    """In a tensor-parallel worker process: join the process group and load this rank's shard.
-    Computes on cuda:<cuda_index> of this process's view when config.device is CUDA. Returns the
-    rank's ModelRunner (KV cache not yet allocated). Shared by the Ray and multiprocess executors."""
-    import torch
-    import torch.distributed as dist
-
-    from app.engine.model_runner import ModelRunner
-
-    device = torch.device(config.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", cuda_index)
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp_size,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    return ModelRunner(config, vocab_size, rank, tp_size, device, max_model_len)
-
-
-def free_port_address(host: str) -> str:
-    """tcp://<host>:<a free port> for torch.distributed's rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return f"tcp://{host}:{port}"

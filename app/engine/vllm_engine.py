@@ -12,7 +12,7 @@ the ingress, the router and the APIs are the same for both backends. Inside:
   are refused when the application is built and again at start-up (UnsupportedSettingError,
   app/engine/setting_checks.py), never ignored.
 - KV events: vLLM publishes them on ZMQ (`kv_events_config`, publisher "zmq", on ipc sockets of
-  this replica); a ZmqEventSubscriber (app/router/zmq_events.py) follows them, fills gaps from
+  this replica); a ZmqEventSubscriber (app/kv_events/zmq_transport.py) follows them, fills gaps from
   vLLM's replay socket, re-keys blocks by our chain hash and hands them to the replica, which
   publishes them to the application's index as it does for our engine.
 - Stats for the router and /metrics come from a vLLM stat logger (scheduler stats per step) plus
@@ -40,11 +40,11 @@ from app.config import EngineConfig
 from app.engine.outputs import Logprob, RequestMetrics, RequestOutput
 from app.engine.errors import (EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestFailedError,
                                RequestTimeoutError)
-from app.engine.kv_events import KVEvent
-from app.engine.model_config import load_model_config, resolve_tokenizer
+from app.engine.model_source import load_model_config, resolve_tokenizer
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import check_prompt_ids, check_request_fits
 from app.engine.setting_checks import VLLM_KV_DTYPES, UnsupportedSettingError, check_settings
+from app.kv_events.schema import KVEvent
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class VLLMEngine:
         self.subscriber = None
         self.rehasher = None
         if config.enable_prefix_caching:
-            from app.router.zmq_events import BlockRehasher, ZmqEventSubscriber
+            from app.kv_events.zmq_transport import BlockRehasher, ZmqEventSubscriber
 
             self.rehasher = BlockRehasher(config.block_size)
             self.subscriber = ZmqEventSubscriber(pub, self._on_vllm_events, replay_endpoint=replay,
@@ -238,7 +238,7 @@ class VLLMEngine:
 
     def kv_cache_snapshot_events(self) -> list[KVEvent]:
         if self.rehasher is None:
-            from app.engine.kv_events import AllBlocksCleared
+            from app.kv_events.schema import AllBlocksCleared
 
             return [AllBlocksCleared()]
         with self._events_lock:

@@ -1,6 +1,6 @@
 """Prefix index: which replica holds which KV block. Pure Python, no Ray.
 
-Block hashes are chained (app/engine/block_hash.py): block i's hash covers every token before
+Block hashes are chained (app/kv_events/block_hash.py): block i's hash covers every token before
 it, so "replica r holds hash h_i" means r can serve the prompt's first i+1 blocks from cache
 when it also holds h_0..h_{i-1}. `match` returns, per replica, how many leading blocks of a
 prompt it holds.
@@ -22,8 +22,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from app.engine.block_hash import BlockHash
-from app.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from app.kv_events.block_hash import BlockHash
+from app.kv_events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 ReplicaId = str
 

@@ -1,7 +1,7 @@
 """KV-aware request routing in Ray Serve: the RequestRouter of the LLMServer deployment.
 
 `KVAwareRouter` (one per DeploymentHandle: each ingress replica's, each Python caller's) keeps a
-local copy of the application's shared KV index (app/router/index_actor.py: every replica's KV
+local copy of the application's shared KV index (app/router/index_follower.py: every replica's KV
 events and every router's routing history, pulled in the background). For a
 `generate(GenerateRequest)` call it reads the request's block hashes and session id, looks up
 in that copy which replica holds how many leading blocks, and ranks replicas with
@@ -19,9 +19,9 @@ from collections import defaultdict
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from app.deployments.types import GenerateRequest
-from app.router.index_actor import IndexFollower
+from app.router.index_follower import IndexFollower
 from app.router.policy import RoutingPolicy, choose
+from app.serving_types import GenerateRequest
 
 logger = logging.getLogger("ray.serve")
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.engine.attention import AttentionMetadata
-from app.engine.models.config import LlamaConfig
+from app.engine.models.llama_config import LlamaConfig
 from app.engine.kv_cache import KVCache
 from app.kernels import cpu_kernels
 from app.kernels.layer_ops_ref import apply_rope, rms_norm_ref, rope_qk_ref, silu_and_mul_ref  # noqa: F401 (apply_rope: re-exported)

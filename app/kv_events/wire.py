@@ -14,14 +14,14 @@ and read them with or without the optional fields, and also the array layout of 
 versions (`["BlockStored", block_hashes, parent, token_ids, block_size, lora_id, medium]`), so
 the router's index consumes a vLLM replica's events and a vLLM consumer ours. A batch's sequence
 number travels beside it (a separate ZMQ frame, or the index's publish call); `encode_batch`
-returns the payload only. The event classes are the engine's (app/engine/kv_events.py).
+returns the payload only. The event classes are in app/kv_events/schema.py.
 """
 
 from __future__ import annotations
 
 import msgpack
 
-from app.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from app.kv_events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEvent", "decode_batch", "encode_batch",
            "event_to_wire", "event_from_wire"]

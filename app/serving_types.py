@@ -1,6 +1,7 @@
 """Types the serving layers share: what the ingress (or a Python caller) sends an LLMServer replica,
-what a replica reports about its model. Their own module, so that
-the router and the server import them without importing each other."""
+what a replica reports about its model. Their own module below app/router and app/deployments, so
+that the router (which reads a GenerateRequest's block hashes and session) never imports the
+deployments."""
 
 from __future__ import annotations
 

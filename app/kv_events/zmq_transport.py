@@ -3,7 +3,7 @@
 The transport is vLLM's `ZmqEventPublisher` (`kv_events_config` with publisher "zmq"):
 
 - a PUB socket sends each batch as three frames: topic, sequence number (8 bytes, big-endian,
-  counting from 0), payload (msgpack `[ts, [event, ...], data_parallel_rank]`, app/router/events.py);
+  counting from 0), payload (msgpack `[ts, [event, ...], data_parallel_rank]`, app/kv_events/wire.py);
 - a ROUTER replay socket: a DEALER that sends `[b"", start]` (start: 8 bytes, big-endian) gets
   back every batch still buffered from `start` on as `[b"", topic, seq, payload]`, then the end
   marker `[b"", b"", seq -1 (signed), b""]`.
@@ -17,7 +17,7 @@ no longer holds is lost: the subscriber says so (`on_lost`), and the consumer fo
 knew of that publisher's blocks rather than keep a wrong picture.
 
 `BlockRehasher` turns the publisher's block hashes into ours. vLLM's hashes depend on its hash
-algorithm and seed; the router hashes prompts with app/engine/block_hash.py. A BlockStored event
+algorithm and seed; the router hashes prompts with app/kv_events/block_hash.py. A BlockStored event
 carries the blocks' token ids and its parent's hash, so each block is re-hashed with our chain
 hash from its parent's (our) hash, and the map publisher hash -> our hash is kept for the
 parents of later blocks and for BlockRemoved, which carries hashes only.
@@ -33,9 +33,9 @@ from collections.abc import Callable, Hashable
 
 import zmq
 
-from app.engine.block_hash import BlockHash, hash_block_tokens
-from app.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from app.router.events import decode_batch, encode_batch
+from app.kv_events.block_hash import BlockHash, hash_block_tokens
+from app.kv_events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from app.kv_events.wire import decode_batch, encode_batch
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from app.engine.block_hash import BlockHash
+from app.kv_events.block_hash import BlockHash
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from app.config import EngineConfig
 from app.engine.gguf_file import MODEL_PACKAGES, is_gguf, read_gguf_config, resolve_model_name
-from app.engine.models.config import LlamaConfig
+from app.engine.models.llama_config import LlamaConfig
 from app.engine.tokenizer import Tokenizer, load_tokenizer
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -1,17 +1,18 @@
-"""Tensor-parallel workers as Ray actors on the bundles of a placement group.
+"""RayExecutor (distributed_executor_backend "ray"): tensor-parallel workers as Ray actors on the
+bundles of a placement group.
 
-A replica's placement group has one bundle per rank, `{"GPU": 1, "CPU": c}` on GPUs (`{"CPU": c}`
-on CPU), STRICT_PACK so that all of a replica's ranks share a node (NCCL over NVLink) and a
-replica that fits no node stays pending instead of being split; bundle 0 also holds the replica
-(the engine's process) itself. `placement_bundles` computes them. Rank i runs on bundle i of the
-placement group the engine runs in (Ray Serve's replica placement group), or of one RayExecutor
-creates when the engine runs outside any.
+A replica's placement group has one bundle per rank (app/engine/placement.py), STRICT_PACK so that
+all of a replica's ranks share a node (NCCL over NVLink) and a replica that fits no node stays
+pending instead of being split; bundle 0 also holds the replica (the engine's process) itself.
+Rank i runs on bundle i of the placement group the engine runs in (Ray Serve's replica placement
+group), or of one RayExecutor creates when the engine runs outside any.
 
 Each step the driver sends every rank the same compact StepMessage (model_runner.py); all ranks
 run the forward, and rank 0 samples and returns the sampled ids and logprobs. A rank that dies
 or raises stops all of them and surfaces as EngineDeadError; nothing waits on a dead rank.
 
-Ray is imported only here, and only when tensor_parallel_size > 1.
+Ray is imported only here and in tp_worker.py (the worker actor), and only when the engine runs
+with this executor.
 """
 
 from __future__ import annotations
@@ -23,33 +24,14 @@ from app.config import EngineConfig
 from app.engine.errors import EngineDeadError
 from app.engine.executor import Executor
 from app.engine.model_runner import StepMessage
+from app.engine.placement import DEFAULT_CPUS_PER_WORKER, PLACEMENT_STRATEGY, placement_bundles
 from app.engine.sampler import SamplerOutput
 from app.engine.tp_worker import TPWorker
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_STRATEGY = "STRICT_PACK"
-DEFAULT_CPUS_PER_WORKER = {True: 1.0, False: 0.1}  # keyed by "on GPU"
 PLACEMENT_TIMEOUT_S = 300.0  # wait this long for a placement group RayExecutor creates itself
 WORKER_START_TIMEOUT_S = 300.0  # a worker not started by then did not fit its bundle
-
-
-def placement_bundles(tp_size: int, cpus_per_worker: float, gpu: bool, driver_cpus: float = 0.0) -> list[dict]:
-    """Bundles of one replica's placement group: one per tensor-parallel rank, bundle 0 also
-    holding the replica process (driver_cpus). Use with strategy PLACEMENT_STRATEGY."""
-    if tp_size < 1 or cpus_per_worker < 0 or driver_cpus < 0:
-        raise ValueError(f"need tp_size >= 1 and CPUs >= 0 (got tp_size={tp_size}, "
-                         f"cpus_per_worker={cpus_per_worker}, driver_cpus={driver_cpus})")
-    bundles = []
-    for i in range(tp_size):
-        bundle = {"GPU": 1.0} if gpu else {}
-        cpus = cpus_per_worker + (driver_cpus if i == 0 else 0.0)
-        if cpus > 0:
-            bundle["CPU"] = cpus
-        if not bundle:
-            raise ValueError("a CPU-only bundle needs cpus_per_worker > 0 (Ray refuses empty bundles)")
-        bundles.append(bundle)
-    return bundles
 
 
 def wait_for_placement_group(pg, timeout_s: float) -> None:
