@@ -116,7 +116,7 @@ class MultiprocExecutor(Executor):
         self._last_timing: dict = {}
         self._num_launched = self._num_answered = 0  # async scheduling's steps
         # the last rank first, rank 0 (which also samples) last: 8.67 vs 8.92 ms per 8B decode step at
-        # TP=2 (bench/tp_ab.py, bench/RESULTS.md)
+        # TP=2 (experiments/tp_ab.py, docs/history.md)
         self._send_order = list(reversed(range(tp)))
         self.procs: list = []
         self.conns: list[Connection] = []

@@ -41,7 +41,7 @@ _lock = threading.Lock()
 _module = None
 _error: str | None = None
 DENSE, FP8, FP4 = 0, 1, 2
-# The extension's compiler flags (bench/cpu_store_ab.py builds another revision's source with the same).
+# The extension's compiler flags (experiments/cpu_store_ab.py builds another revision's source with the same).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]
 

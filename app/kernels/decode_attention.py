@@ -15,11 +15,10 @@ CUDA (Gluon: explicit layouts around the fp4 unpack; its docstring says how, `un
 needs); other fp4 K and V pages run _decode_fp4_kernel, the same algorithm arranged around the unpack in plain Triton (also
 what the CPU tests interpret); every other combination runs _decode_kernel.
 
-Speed (bench/RESULTS.md, H200): bf16 pages run within 3-12% of torch SDPA on contiguous K/V for the
-Llama-3.1-8B shape from 8k context and batch 8 ("fp4 decode, fourth pass"); fp4 pages (Gluon)
-1.47-1.79x faster than SDPA at 8k-32k and batch 8-32 (70B at TP 8: 1.11-1.61x; issue 19's
-fifteenth step, tile pairs at 8B), bound by instruction issue rather than bytes
-(bench/kernel_sass.py counts the loop's instructions without a GPU).
+Speed (bench/RESULTS.md, "Decode attention", H200): bf16 pages run within 3-12% of torch SDPA on
+contiguous K/V for the Llama-3.1-8B shape from 8k context and batch 8; fp4 pages (Gluon) 1.53-1.85x faster
+than SDPA at 8k-32k and batch 8-32 (70B at TP 8: 1.15-1.64x), bound by instruction issue rather than
+bytes (experiments/kernel_sass.py counts the loop's instructions without a GPU).
 """
 
 from __future__ import annotations
@@ -42,14 +41,14 @@ SPLIT_ARGS = ("split_size", "num_splits")
 MIN_SPLIT_TOKENS = 256  # fewer tokens per split than this and the merge costs more than it gains
 # The fp4 kernels' splits are at least the longest of these that still leaves a program for half the
 # SMs: their programs' fixed costs (ring fill, the tile pipeline's latency) make 4-tile splits slower
-# than fewer programs of 8 tiles where the SMs stay busy (bench/RESULTS.md, issue 19's eighth step),
+# than fewer programs of 8 tiles where the SMs stay busy (docs/history.md, the fp4 kernel's eighth step),
 # and with one KV head at batch 1-2 (70B at TP 8) 2-tile splits beat 4-tile ones once the split merge
 # takes one load (0.94x the time at 8k, batch 1; fourteenth step).
 FP4_SPLIT_TOKENS = (512, 256, 128)
 # Among the split counts that rule allows, the fp4 kernels take the cheapest by the busiest SM's work:
 # its programs x (tokens per split x the per-token slowdown when fewer programs share the SM than it has
-# slots + a fixed cost per program). Fitted on the H200's sweep of split counts (bench/RESULTS.md, issue
-# 19's fourteenth step): a program costs about 160 tokens' time whatever its length (the query and its
+# slots + a fixed cost per program). Fitted on the H200's sweep of split counts (docs/history.md, the fp4
+# kernel's fourteenth step): a program costs about 160 tokens' time whatever its length (the query and its
 # scratch, the ring's fill, the warps' merge, the partial result), and a token takes 1.12x as long with
 # 2 programs on an SM as with 4 (1.03x with 3; alone, 1.5x). So at 70B TP 8, batch 32, 8k context 256
 # programs of 1024 tokens (2 per SM) beat 512 of 512 (4 per SM) by 7%, while at 8B, batch 8, 32k, where
@@ -57,8 +56,10 @@ FP4_SPLIT_TOKENS = (512, 256, 128)
 # slots per SM; for a kernel with fewer slots, programs that fill them count at full speed and fewer
 # take the same table.
 PROGRAM_COST_TOKENS = 160
-# The fp8 kernel's tile, software-pipeline depth and programs per SM for its split count (the fastest in
-# bench/RESULTS.md's sweep).
+# The fp8 kernel's tile, software-pipeline depth and programs per SM for its split count: 64-token tiles
+# with 2 stages compile to 127 registers (4 programs per SM fit) and 45 loop instructions per (token, KV
+# head) on Triton 3.6 for sm_90 (128-token tiles: 35, at 179 registers); splits planned as the generic
+# kernel's. Not yet swept on a GPU.
 FP8_BLOCK_N, FP8_STAGES, FP8_PROGRAMS_PER_SM = 64, 2, 2
 SHARED_SM_SLOWDOWN = {1: 1.5, 2: 1.12, 3: 1.03}  # programs on an SM (fewer than its slots) -> per-token cost
 
@@ -165,7 +166,7 @@ def _decode_fp4_kernel(
     K_G: tl.constexpr, K_KO: tl.constexpr, V_G: tl.constexpr, V_KO: tl.constexpr,
     DT: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PRECISE: tl.constexpr, ASM: tl.constexpr,
 ):
-    """_decode_kernel for fp4 K and V pages, shaped for the fp4 unpack (bench/RESULTS.md has the
+    """_decode_kernel for fp4 K and V pages, shaped for the fp4 unpack (docs/history.md has the
     counts): each head vector is used as its even and odd halves (the query is loaded split the same
     way and the output written back interleaved), so the unpacked nibbles never need interleaving;
     the PV product runs transposed, O^T [D/2, GP] = V^T P^T, which puts the freshly unpacked V tile
@@ -265,8 +266,8 @@ def _decode_fp8_kernel(
     H: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     DT: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
 ):
-    """_decode_kernel for fp8 K and V pages, in fp16 MMAs (bench/RESULTS.md has its instruction counts and
-    times). Each vector is read as 16-bit words of two E4M3 values and used as its even and odd halves
+    """_decode_kernel for fp8 K and V pages, in fp16 MMAs (its instruction counts: FP8_BLOCK_N's
+    comment). Each vector is read as 16-bit words of two E4M3 values and used as its even and odd halves
     (the query split alike, the output written back interleaved), so one prmt and one hardware widening
     per two values make the MMA operands in registers (the generic kernel's E4M3 -> bf16 conversion ran
     after the shared-memory round trip, with byte-wise shared loads and float32 round trips). The query
@@ -462,7 +463,7 @@ def decode_attention(
     the Triton kernels, the software-pipeline depth (None: 2, and for fp4 pages 1 once batch x KV
     heads >= 8). Triton
     kernels only: block_n: tokens per tile (None: 128 for fp4 pages, FP8_BLOCK_N for the fp8 kernel, 64
-    otherwise, the fastest in bench/RESULTS.md); num_warps; precise_pv: the PV product from p split into two bf16
+    otherwise, the fastest in docs/history.md); num_warps; precise_pv: the PV product from p split into two bf16
     terms (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton.
     maxnreg: a register cap on CUDA (None: 128 for _decode_fp4_kernel at head_dim 128; for the Gluon
     kernel decode_fp4_gluon.PAIR_MAXNREG (128) with tile pairs, else none; 0: none, which leaves the
@@ -471,7 +472,7 @@ def decode_attention(
     pass in the MMA's padding columns, at most 4 query heads per KV head and a 4-tile ring) for splits
     with at least this many whole tiles, 0 never (None: decode_fp4_gluon.PAIR_MIN_TILES)."""
     num_seqs, num_heads, head_dim = query.shape
-    # The fp4 kernel where it measured faster (bench/RESULTS.md): head_dim 128, capped at 128
+    # The fp4 kernel where it measured faster (docs/history.md): head_dim 128, capped at 128
     # registers, and 256, uncapped (capped it spills); at 64 the generic kernel was 1.2-1.6x faster.
     fp4_pages = paged.page_kind(k_pages) == paged.page_kind(v_pages) == paged.FP4
     both_fp4 = fp4_pages and (fp4_kernel or (fp4_kernel is None and head_dim >= 128))
@@ -527,7 +528,7 @@ def decode_attention(
     elif both_fp4:
         # 128 registers at head_dim 128: four programs (16 warps) per SM instead of two; a few spill
         # slots are the cheaper side of that trade. One pipeline stage, except for fewer than 8
-        # (sequence, KV head) pairs (70B at TP 8, batch 1), where two were faster (bench/RESULTS.md).
+        # (sequence, KV head) pairs (70B at TP 8, batch 1), where two were faster (docs/history.md).
         if num_stages is None:
             num_stages = 1 if num_seqs * num_kv_heads >= 8 else 2
         tuning = {"maxnreg": cap} if capped else {}

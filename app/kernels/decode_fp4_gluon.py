@@ -34,7 +34,7 @@ layout-level language), chosen so that nothing moves between threads except the 
   Loop instructions per (token, KV head) 37.7 -> 30.05 at the 8B shape (Triton 3.6). The ring then
   holds two pairs, so a pair's copies fly while the pair before is attended (one tile pair ahead,
   where single tiles have two to three): splits of fewer than PAIR_MIN_TILES whole tiles keep single
-  tiles, chosen per program from its own length (bench/RESULTS.md, issue 19's fifteenth step); a
+  tiles, chosen per program from its own length (docs/history.md, the fp4 kernel's fifteenth step); a
   launch whose planned splits are all shorter runs the single-tile build (Launch.constexprs_for). A pair
   waits on one barrier: with Triton < 3.9 each array of a set takes the pair's two tiles as one copy
   (_copy_pair; two copies into one allocation made Triton 3.6's Membar pass put a second barrier
@@ -73,7 +73,7 @@ or K groups of 8 without (KG8, on the cp.async ring only), V groups of 32 withou
 heads per KV head, pages of a multiple of 16 tokens; decode_attention runs the Triton kernels otherwise
 (`unsupported` says why). Gluon does not run
 under the interpreter: tests/test_kernels_gluon.py compiles it for sm_90 on any machine and checks
-it against the reference on a GPU; bench/kernels.py times it, bench/kernel_sass.py counts its loop.
+it against the reference on a GPU; bench/kernel_timings.py times it, experiments/kernel_sass.py counts its loop.
 """
 
 from __future__ import annotations
@@ -1414,7 +1414,7 @@ class Launch:
             # Resident programs, but at most 4 for planning: whole waves of 5 x 132 slots made the split
             # rule ask for many short splits (103 of 320 tokens for 70B at 32k, batch 32), up to 65%
             # slower, and the 96-register variant that fits 5 was slower in every row measured
-            # (bench/RESULTS.md, "fp4 decode, third pass").
+            # (docs/history.md, the fp4 kernel's third pass).
             # The cp.async ring takes shared memory too: 4 stages are 39 KiB per program.
             props = torch.cuda.get_device_properties(self.query.device)
             smem_sm = getattr(props, "shared_memory_per_multiprocessor", 164 << 10)  # else sm_80's, the least
@@ -1425,7 +1425,7 @@ class Launch:
     def constexprs_for(self, split_size: int) -> dict:
         """The build a launch with this longest split runs: where no split can reach PAIR whole tiles, the
         single-tile kernel (the paired kernel's other branch without it: measured 1-2% faster there,
-        bench/RESULTS.md, issue 19's sixteenth step), under the paired kernel's register cap, which the
+        docs/history.md, the fp4 kernel's sixteenth step), under the paired kernel's register cap, which the
         split plan was made for (uncapped, Triton 3.6 takes 132-137 registers at 3 query heads per KV head,
         3 programs per SM; capped at 128 it spills nothing at 1-4). Either build pairs a split exactly when
         it has PAIR whole tiles, so a sequence's result does not depend on which one ran."""
@@ -1434,7 +1434,7 @@ class Launch:
             return self.constexprs
         # The query's loads (QVEC) are the paired build's, not checked again for this one: on Triton 3.6 it
         # fits with vector loads wherever the paired build does (128 / 127 registers, no spill: default,
-        # key groups of 8, 64-bit offsets; compiled with bench/kernel_sass.py's compiler).
+        # key groups of 8, 64-bit offsets; compiled with experiments/kernel_sass.py's compiler).
         return dict(self.constexprs, PAIR=0)
 
     def run(self, out, part_o, part_lse, split_size: int, num_splits: int) -> None:
@@ -1449,14 +1449,14 @@ class Launch:
 PLAN_PROGRAMS_PER_SM = 4
 # Tiles in the cp.async ring, a power of 2 >= 4: two allocations of STAGES / 2 (0: each tile loaded into
 # registers where it is used). On the H200 the ring was faster than loads into registers in 12 of 16
-# rows for the 8B shape (0.97-1.16x) and 15 of 16 for 70B at TP 8 (0.98-1.10x); bench/RESULTS.md,
-# "fp4 decode, fourth pass".
+# rows for the 8B shape (0.97-1.16x) and 15 of 16 for 70B at TP 8 (0.98-1.10x); docs/history.md,
+# docs/history.md, the fp4 kernel's fourth pass.
 STAGES = 4
 # Keys and values through fp16 MMAs, the codes widened by the hardware's E4M3 -> fp16 conversion
 # (_K16_UNPACK_PTX, _V16_UNPACK_PTX: 36.6 loop instructions per (token, KV head) for the 8B shape), or
 # through bf16 MMAs on bf16 bit arithmetic (paged._FP4_UNPACK_BODY: 38.6). On the H200 fp16 was 1-8%
 # faster for the 8B shape from 8k tokens and batch 8 and for 70B at TP 8 at batch 128, and 1-5% slower
-# at batch 1, for 70B up to batch 32 and at 1k tokens (bench/RESULTS.md, "fp4 decode, fifth pass"). It
+# at batch 1, for 70B up to batch 32 and at 1k tokens (docs/history.md, the fp4 kernel's fifth pass). It
 # is the default for every batch: choosing by batch size made a sequence's rounding depend on the
 # batch it ran in (a CUDA-graph bucket against the eager batch; tests/test_engine_gpu.py found it).
 # Launch's fp16 (decode_attention's) forces either.
@@ -1464,16 +1464,16 @@ F16_DEFAULT = True
 # Tile pairs (two tiles per pass in the padding columns, at most 4 query heads per KV head) for splits of at
 # least this many whole tiles (64 tokens each); shorter ones run single tiles. On the H200, 8B shape: 1.02-1.06x
 # at batch 8-32, 8k-32k, with splits of 16-256 tiles; with pairs at every length, splits of 3-8 tiles were
-# 0.955-0.983x (one pair ahead in the ring against two to three single tiles); bench/RESULTS.md, issue 19's
-# fifteenth step. Launch's pair (decode_attention's) overrides it, 0 never pairs.
+# 0.955-0.983x (one pair ahead in the ring against two to three single tiles); docs/history.md, the fp4
+# kernel's fifteenth step. Launch's pair (decode_attention's) overrides it, 0 never pairs.
 PAIR_MIN_TILES = 16
 # The paired kernel takes 161-168 registers uncapped (3 programs per SM); at 128 (4 per SM, as the single-tile
 # kernel) Triton 3.6 spills nothing at the default PAIR (128 bytes with pair=1 and bf16 maps), 3.9 spills 56-64
-# bytes per thread (bench/kernel_sass.py), and Launch then runs single tiles (_settle_pair).
+# bytes per thread (experiments/kernel_sass.py), and Launch then runs single tiles (_settle_pair).
 PAIR_MAXNREG = 128
 # The query's MMA operand by four 16-byte loads per thread (QVEC) instead of 32 two-byte loads: on the H200
 # (Triton 3.6) 1.04-1.07x at 70B-TP8 shapes, 1.02-1.03x at batch 1 and 8B 8k batch 8, 0.99-1.01x at 8B
-# from 8k batch 32 and 32k batch 8, outputs bit-equal (bench/RESULTS.md, issue 19's twenty-first step).
+# from 8k batch 32 and 32k batch 8, outputs bit-equal (docs/history.md, the fp4 kernel's twenty-first step).
 # Where a build with them takes more than 128 registers or spills, Launch takes the two-byte loads: Triton
 # 3.9, key groups of 8 at 70B-TP8 shapes (148 registers) and 8B single tiles (8 bytes); Triton 3.6, no
 # default build, but the 8B pairs with key groups of 8 and 64-bit offsets (8 bytes).

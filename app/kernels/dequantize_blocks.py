@@ -5,7 +5,7 @@ prefill sequence (its cached context and the chunk just stored) are dequantized 
 dense scratch, and the prefill kernel
 then attends over the scratch as it does over bf16 pages. Dequantizing inside the attention kernel
 instead repeats the work for every block of query rows of the sequence (a 2k-token chunk has 16-64
-of them) and ran 3.5-3.9x slower than bf16 pages on an H200 (bench/RESULTS.md); here each cached
+of them) and ran 3.5-3.9x slower than bf16 pages on an H200 (docs/history.md); here each cached
 token is dequantized once, at the cost of a copy.
 
 A program takes (one block of the plan, one KV head): program p reads block

@@ -8,7 +8,7 @@ float32 (bit for bit), SiLU in float32 cast before the multiply. A row's sum of 
 another order, and on CUDA Triton's division and exp are not torch's, so RMSNorm and SiLU may differ
 from torch by one bf16 ulp now and then. On a
 decode step these were ~40 launches per layer and 2.7 ms of an 11.9 ms Llama-3.1-8B step at batch
-64 on an H200 (bench/RESULTS.md); fused they are three.
+64 on an H200 (docs/history.md); fused they are three.
 """
 
 from __future__ import annotations

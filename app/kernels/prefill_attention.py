@@ -13,7 +13,7 @@ are cdiv(num_tokens, BLOCK_Q) + num_seqs of them per KV head, and sequence i own
 (query_start_loc[i] - query_start_loc[0]) // BLOCK_Q + i on (the spare ones exit at once;
 query_start_loc may be a slice of a step's, whose rows then start at query_start_loc[0]). fp4 outliers are added into
 the dequantized tiles (rounded to bf16 there), which all BLOCK_M query rows then share: re-reading
-queries at the outlier indices, as decode does, cost 6x here (bench/RESULTS.md). precise_pv
+queries at the outlier indices, as decode does, cost 6x here (docs/history.md). precise_pv
 splits the probabilities into two bf16 terms for the PV product (float32-accurate, one more
 tensor-core product, 25% slower on bf16 pages).
 """
@@ -121,7 +121,7 @@ def prefill_attention(
     are written, num_rows of them (a host int; None: all of query). skip_decodes: sequences with one
     new token are left to the caller (their rows of out untouched). The default tiles (128 query rows x
     32 keys, 4 warps, 2 stages) measured fastest of eight on an H200 for bf16 pages at 8B shapes
-    (bench/RESULTS.md)."""
+    (docs/history.md)."""
     num_heads, head_dim = query.shape[1:]
     num_seqs = seq_lens.shape[0]
     _, bs, num_kv_heads, d_k = paged.check_pages(k_pages, formats[0], "k_pages")

@@ -9,7 +9,7 @@ index) and each replica's load:
    Thorup and Zadimoghaddam 2018). The rest are skipped, so a popular prefix (a system prompt
    every session shares) or session cannot turn one replica into a hot spot. A bound relative to
    the mean instead let three of four replicas take every session of a swarm that shares a
-   system prompt while the fourth idled (bench/RESULTS.md).
+   system prompt while the fourth idled (docs/history.md).
 2. Among those, the replica holding the most prefix blocks wins. Ties (e.g. a system prompt
    cached everywhere) and requests with no cached prefix go by rendezvous hashing of the session
    id over the replicas with room, so a session lands on the same replica turn after turn and

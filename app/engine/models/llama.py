@@ -100,7 +100,7 @@ CPU_GEMM_ROWS = 64
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T. On the CPU in bf16/fp16 the rows are padded to a multiple of CPU_GEMM_ROWS:
     oneDNN builds (JIT-compiles) a kernel per new shape, about 2 ms, which a step's varying token
-    count would otherwise pay at every projection (bench/RESULTS.md, the CPU section)."""
+    count would otherwise pay at every projection (docs/history.md, the CPU section)."""
     rows = x.shape[0]
     # Only where the reduction is a multiple of 32: with a tail (e.g. stories260K's 172), oneDNN's
     # bf16 kernels let a NaN in one token's row reach a neighbour's output at some row counts (64
