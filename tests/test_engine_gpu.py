@@ -222,12 +222,14 @@ def test_chunked_prefill_equals_one_shot_on_gpu(stories_paths, tmp_path, kv_cach
 
 
 def _assert_parts_at_near_tie(x, y, gap=0.1):
-    """Two greedy continuations of one prompt are equal, or equal up to a position where each run
-    ranks the other's token second, within `gap` nats of its own (a rounding-sized near-tie)."""
+    """Two greedy continuations of one prompt are equal, or equal up to a position where each run's token
+    is (one of) its best and the other run's token is among its two best, within `gap` nats (a
+    rounding-sized near-tie; at an exact tie the greedy pick and the top-logprob order may name either)."""
     i = next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), None)
     if i is None:
         return
     for own, other in ((x, y), (y, x)):
-        (first, lp1), (second, lp2) = own.top_logprobs[i][:2]
-        assert first == own.token_ids[i] and second == other.token_ids[i] and lp1 - lp2 < gap, \
-            (i, own.top_logprobs[i], other.token_ids[i])
+        top = dict(own.top_logprobs[i][:2])
+        best = max(top.values())
+        assert own.token_ids[i] in top and other.token_ids[i] in top, (i, own.top_logprobs[i], other.token_ids[i])
+        assert best - top[own.token_ids[i]] < 1e-6 and best - top[other.token_ids[i]] < gap, (i, own.top_logprobs[i])
