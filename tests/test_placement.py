@@ -21,7 +21,7 @@ from app import LLM, SamplingParams
 from app.engine.placement import PLACEMENT_STRATEGY, placement_bundles
 from app.engine.ray_executor import TPWorkerGroup
 
-from tp_helpers import run_in_placement_group
+from tp_testing import run_in_placement_group
 
 GPUS_PER_NODE = 8
 

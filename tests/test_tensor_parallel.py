@@ -17,7 +17,7 @@ from app import LLM, SamplingParams
 from app.engine.errors import EngineDeadError
 from app.engine.placement import PLACEMENT_STRATEGY, placement_bundles
 
-from tp_helpers import ReplicaStandIn, run_in_placement_group
+from tp_testing import ReplicaStandIn, run_in_placement_group
 
 STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked to play with his "
          "ball in the park every day. One day, Tim saw a little cat under a tree.")

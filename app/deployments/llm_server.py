@@ -60,15 +60,14 @@ class LLMServer:
             config.engine, max_queued_requests=config.max_queued_requests, on_kv_events=self._on_kv_events,
             request_timeout_s=config.request_timeout_s, step_timeout_s=config.step_timeout_s
         )
-        inner = self.engine.engine
         self.info = ModelInfo(
             model_id=config.served_model_id,
-            max_model_len=inner.max_model_len,
-            vocab_size=inner.vocab_size,
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.vocab_size,
             block_size=config.engine.block_size,
             kv_cache_dtype=config.engine.kv_cache_dtype,
             tensor_parallel_size=config.engine.tensor_parallel_size,
-            num_kv_blocks=inner.num_kv_blocks,
+            num_kv_blocks=self.engine.num_kv_blocks,
         )
         logger.info("LLMServer %s ready in %.1f s: %s", self.replica_id, time.perf_counter() - t0, self.info)
 
@@ -92,7 +91,7 @@ class LLMServer:
 
     async def worker_info(self) -> dict:
         """This replica and where its tensor-parallel workers run (node, GPU ids), for placement checks."""
-        return {"replica_id": self.replica_id, "workers": self.engine.engine.worker_info()}
+        return {"replica_id": self.replica_id, "workers": self.engine.worker_info()}
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -156,7 +155,7 @@ class LLMServer:
         self._status_ref = self._index.status.remote(self.replica_id)
 
     def _publish_snapshot(self, epoch: str) -> None:
-        snapshot = self.engine.engine.kv_cache_snapshot_events()
+        snapshot = self.engine.kv_cache_snapshot_events()
         logger.info("replica %s resyncs the KV index (epoch %s): %d cached blocks", self.replica_id, epoch[:8],
                     len(snapshot) - 1)
         with self._events_lock:

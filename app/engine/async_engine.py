@@ -82,6 +82,21 @@ class AsyncLLMEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    # what the replica (app/deployments/llm_server.py) reads, the same on VLLMEngine
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.num_kv_blocks
+
+    def worker_info(self) -> list[dict]:
+        return self.engine.worker_info()
+
+    def kv_cache_snapshot_events(self) -> list:
+        return self.engine.kv_cache_snapshot_events()
+
     @property
     def is_dead(self) -> bool:
         return self.dead_error is not None or not self._thread.is_alive()

@@ -1,7 +1,7 @@
 """The vLLM backend (`engine.backend: vllm`): vLLM's async engine behind the interface LLMServer uses.
 
 `VLLMEngine` has AsyncLLMEngine's surface (generate / abort / check_health / snapshot / shutdown,
-and `.engine` for the model's limits, worker info and the prefix-cache snapshot), so the replica,
+the model's limits, worker info and the prefix-cache snapshot), so the replica,
 the ingress, the router and the APIs are the same for both backends. Inside:
 
 - vLLM's `AsyncLLM` (its engine-args API, not its HTTP server) runs on the replica's event loop;
@@ -141,23 +141,6 @@ class _StatsLogger:
         pass
 
 
-class _EngineInfo:
-    """What LLMServer reads through `.engine` (AsyncLLMEngine's inner LLMEngine)."""
-
-    def __init__(self, outer: "VLLMEngine") -> None:
-        self._outer = outer
-
-    max_model_len = property(lambda self: self._outer.max_model_len)
-    vocab_size = property(lambda self: self._outer.vocab_size)
-    num_kv_blocks = property(lambda self: self._outer.num_kv_blocks)
-
-    def worker_info(self) -> list[dict]:
-        return self._outer.worker_info()
-
-    def kv_cache_snapshot_events(self) -> list[KVEvent]:
-        return self._outer.kv_cache_snapshot_events()
-
-
 class VLLMEngine:
     """vLLM's AsyncLLM with AsyncLLMEngine's interface (see the module docstring)."""
 
@@ -226,11 +209,7 @@ class VLLMEngine:
             self.subscriber = ZmqEventSubscriber(pub, self._on_vllm_events, replay_endpoint=replay,
                                                  on_lost=self._on_lost_events).start()
 
-    # -- what LLMServer reads ------------------------------------------------------------------------
-    @property
-    def engine(self) -> _EngineInfo:
-        return _EngineInfo(self)
-
+    # -- what LLMServer reads (as on AsyncLLMEngine: max_model_len, vocab_size, num_kv_blocks, these) ----------
     def worker_info(self) -> list[dict]:
         return [{"rank": r, "backend": "vllm", "pid": os.getpid(), "device": self.config.device,
                  "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
