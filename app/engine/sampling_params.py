@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from app.engine.errors import InvalidRequestError
+from app.engine.structured_outputs import StructuredOutputs
 
 
 # Seeds are 64-bit signed integers (what torch generators and the OpenAI API take).
@@ -34,7 +35,9 @@ class SamplingParams:
     prompt_logprobs=N returns, for every prompt token after the first, its log-probability given
     the tokens before it and the N most likely alternatives, as vLLM does (RequestOutput.prompt_logprobs:
     per token None or {token id: Logprob}; such a request computes its whole prompt: prefix-cache
-    hits are not used for it). max_tokens=0 computes the prompt only.
+    hits are not used for it). max_tokens=0 computes the prompt only. structured_outputs constrains
+    the output to a JSON schema, a regex, a choice or a grammar (app/engine/structured_outputs.py);
+    the request finishes ("stop") when the grammar is complete, whatever ignore_eos says.
     """
 
     max_tokens: int = 16
@@ -49,6 +52,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # OpenAI clients send null for "none" and a bare string for one stop string.
@@ -87,6 +91,8 @@ class SamplingParams:
                f"n {self.n})")
         _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                f"prompt_logprobs must be None or an integer in [0, 20] (got {self.prompt_logprobs!r})")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+               f"structured_outputs must be None or a StructuredOutputs (got {type(self.structured_outputs).__name__})")
 
     def choice(self, index: int) -> SamplingParams:
         """The parameters of choice `index` of an n > 1 request: one choice, its own seed."""
