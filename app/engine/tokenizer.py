@@ -222,6 +222,11 @@ class Llama2cTokenizer(Tokenizer):
             push(i)
         return [ids[i] for i in range(n) if alive[i]]
 
+    @property
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes as decode emits them (the grammar engine's vocabulary, app/engine/grammar.py)."""
+        return list(self._bytes)
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         out = bytearray()
         prev = None
@@ -309,6 +314,11 @@ class HFTokenizer(Tokenizer):
     def _token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token) if token else None
 
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` (the grammar engine reads its vocabulary, app/engine/grammar.py)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch_fast skips the character offsets that encode computes (unused here): 30%
         # less time on a 13 kB prompt, the same ids
@@ -391,6 +401,11 @@ class GGUFTokenizer(Tokenizer):
         self._add_bos = bool(f.get("tokenizer.ggml.add_bos_token", kind == "llama")) and self.bos_token_id is not None
         self._add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False)) and self.eos_token_id is not None
         self.chat_template = f.get("tokenizer.chat_template") or DEFAULT_CHAT_TEMPLATE
+
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` (the grammar engine reads its vocabulary, app/engine/grammar.py)."""
+        return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
