@@ -15,20 +15,25 @@ from app.config import EngineConfig
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import InvalidRequestError
 from app.engine.executor import Executor, LaunchedStep, LocalExecutor
+from app.engine.grammar import StructuredOutputManager, check_tokenizer
 from app.engine.kv_cache import KVCacheSpec, kv_bytes_per_token
 from app.engine.kv_cache_manager import KVCacheManager
-from app.engine.model_runner import resolve_dtype
+from app.engine.model_runner import GrammarMask, resolve_dtype
 from app.engine.model_source import load_model_config, resolve_tokenizer
 from app.engine.outputs import RequestMetrics, RequestOutput, prompt_logprobs_dicts
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerOutput, check_prompt_ids
 from app.engine.sequence import Sequence, SequenceStatus
 from app.engine.setting_checks import check_settings
+from app.engine.structured_outputs import check_structured_outputs
 from app.kv_events.schema import KVEvent
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_KV_EVENTS = 100_000
+# With nothing to run but requests whose grammar is compiling, a step waits this long for a compile
+# (instead of returning at once and being called again in a busy loop).
+GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass(slots=True, eq=False)
@@ -41,6 +46,7 @@ class _StepInFlight:
     preemptions: list[int]  # Scheduler.on_launched's
     t_schedule: float  # when its scheduling started (perf_counter)
     t_launch: float  # when its launch started
+    deferred: bool = False  # launched with defer_sample: _sample_deferred launches its sampling
 
 
 @dataclass(slots=True, eq=False)
@@ -105,6 +111,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len, eos
         )
+        # structured outputs: grammars compiled off the loop, a matcher per constrained sequence
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(eos))
+        self._awaiting_grammar: dict[str, Sequence] = {}  # sequences whose grammar is compiling
         self.async_scheduling = self.executor.pipelined = resolve_async_scheduling(config, self.executor)
         self._in_flight: _StepInFlight | None = None  # async scheduling: the step launched, not yet collected
         self._undelivered: list[RequestOutput] = []  # collected when a launch failed: the next step() returns them
@@ -157,6 +166,9 @@ class LLMEngine:
             raise InvalidRequestError(f"sampling params must be a SamplingParams (got {type(params).__name__})")
         prompt_ids = self.tokenize(prompt)
         self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)
+            check_tokenizer(self.tokenizer)
         return prompt_ids
 
     def add_request(
@@ -211,6 +223,9 @@ class LLMEngine:
                 raise InvalidRequestError(f"request id {seq_id!r} is already in use")
             self.scheduler.add_request(seq)  # raises (changing nothing) on a duplicate id
             self._requests[seq_id] = state
+            if params.structured_outputs is not None and not self.structured.add(seq_id, params.structured_outputs):
+                seq.awaiting_grammar = True  # compiling: the scheduler leaves it waiting until _poll_grammars
+                self._awaiting_grammar[seq_id] = seq
 
     def abort_request(self, request_ids: str | Seq[str]) -> list[RequestOutput]:
         """Stop requests and free their blocks (after the step in flight, if any); unknown or
@@ -256,6 +271,8 @@ class LLMEngine:
                 else:
                     previous, self._in_flight = self._in_flight, launched
                 collected = self._collect(previous) if previous is not None else []
+                if launched is not None and launched.deferred:
+                    self._sample_deferred(launched)
             except BaseException:
                 self._drop_in_flight()
                 raise
@@ -275,18 +292,85 @@ class LLMEngine:
             self._drop_in_flight()
 
     def _launch(self) -> _StepInFlight | None:
-        """Schedule a step and launch it (None: nothing to run)."""
+        """Schedule a step and launch it (None: nothing to run).
+
+        Structured outputs: the step's constrained rows are masked by their grammars. With a step in
+        flight (async scheduling) a mask needs that step's tokens, so this step is launched with
+        defer_sample (the forward only) and step() launches its sampling once the step in flight is
+        collected (_sample_deferred); otherwise the mask goes with the launch."""
         t0 = time.perf_counter()
+        if self._awaiting_grammar:
+            self._poll_grammars()
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self._awaiting_grammar and self._in_flight is None:
+                self.structured.wait(GRAMMAR_WAIT_S)  # only compiles to wait for: not a busy loop
             return None
         self.peak_num_running = max(self.peak_num_running, self.scheduler.num_running)
         runner = getattr(self.executor, "runner", None)  # None with tensor parallelism (no synced split)
         if self.step_timings is not None and runner is not None:
             runner.sync_timings = self.sync_step_timings
+        grammar, defer = None, False
+        if self.structured:
+            sampling = [seq for seq, n in sched.scheduled if seq.step_samples(n)]  # the executor's rows
+            if any(seq.request_id in self.structured for seq in sampling):
+                defer = self.async_scheduling and self._in_flight is not None
+                grammar = None if defer else self._grammar_mask(sampling)
         t1 = time.perf_counter()
-        step = self.executor.launch(sched)
-        return _StepInFlight(sched, step, self.scheduler.on_launched(sched, step.sampling), t0, t1)
+        step = self.executor.launch(sched, grammar, defer)
+        return _StepInFlight(sched, step, self.scheduler.on_launched(sched, step.sampling), t0, t1, defer)
+
+    # -- structured outputs ----------------------------------------------------------------------
+    def _poll_grammars(self) -> None:
+        """Sequences whose grammar compiled become schedulable; those whose compile failed finish
+        with finish_reason "error" (their outputs come with this step's)."""
+        ready, failed = self.structured.poll(list(self._awaiting_grammar))
+        for sid in ready:
+            self._awaiting_grammar.pop(sid).awaiting_grammar = False
+        for sid in failed:
+            self._awaiting_grammar.pop(sid).awaiting_grammar = False
+        if failed:
+            self._undelivered += self._fail_requests(failed)
+
+    def _grammar_mask(self, sampling: list[Sequence]) -> GrammarMask | None:
+        """The bitmask of the constrained rows among a step's sampling sequences (row order), from
+        their matchers as they are now."""
+        rows = [(i, seq.request_id) for i, seq in enumerate(sampling)
+                if seq.request_id in self.structured and not seq.is_finished
+                and self._requests[seq.request_id].seq is seq]
+        filled = self.structured.fill_mask(rows) if rows else None
+        return GrammarMask(*filled) if filled is not None else None
+
+    def _sample_deferred(self, launched: _StepInFlight) -> None:
+        """Launch the sampling of a step launched with defer_sample, now that the step before it is
+        collected and its tokens have advanced the matchers (its finished requests' rows go unmasked:
+        their tokens are dropped)."""
+        sampling = [seq if seq.request_id in self._requests and self._requests[seq.request_id].seq is seq else None
+                    for seq in launched.step.sampling]
+        rows = [(i, seq.request_id) for i, seq in enumerate(sampling)
+                if seq is not None and not seq.is_finished and seq.request_id in self.structured]
+        filled = self.structured.fill_mask(rows) if rows else None
+        self.executor.sample(launched.step, GrammarMask(*filled) if filled is not None else None)
+
+    def _accept_tokens(self, sampled: dict[str, int], finished: set[str]) -> None:
+        """Advance the matchers with the tokens this step appended. A grammar that ended (on a stop
+        token) finishes its request ("stop", also under ignore_eos); a token the grammar rejects
+        fails it (it cannot happen with the mask applied; a guard)."""
+        for rid, token in sampled.items():
+            if rid not in self.structured or rid in finished:  # finished by EOS, a stop token or length
+                continue
+            verdict = self.structured.accept(rid, token)
+            if verdict is None:
+                continue
+            seq = self._requests[rid].seq
+            if verdict == "terminated":
+                self.scheduler.finish_requests([rid], SequenceStatus.FINISHED_STOPPED)
+                seq.stop_reason = token
+            else:
+                self._requests[rid].error = f"structured outputs: the grammar rejected token {token}"
+                logger.warning("request %s failed: %s", rid, self._requests[rid].error)
+                self.scheduler.finish_requests([rid], SequenceStatus.FINISHED_ERROR)
+            finished.add(rid)
 
     def _drop_in_flight(self) -> None:
         """After a failed step: forget the step in flight, if any (its requests recompute what it
@@ -326,6 +410,8 @@ class LLMEngine:
                 state.top_logprobs.append(out.top_logprobs[i])
         finished = {s.request_id for s in self.scheduler.update_from_output(sched, sampled, launched.preemptions,
                                                                             launched.step.sampling)}
+        if self.structured:
+            self._accept_tokens(sampled, finished)
         outputs = failed
         for rid in sampled:
             state = self._requests[rid]
@@ -365,6 +451,10 @@ class LLMEngine:
 
     def _finish(self, seq_id: str) -> RequestOutput:
         self.executor.release(seq_id)
+        self.structured.remove(seq_id)
+        awaiting = self._awaiting_grammar.pop(seq_id, None)
+        if awaiting is not None:
+            awaiting.awaiting_grammar = False
         state = self._requests.pop(seq_id)
         choices = self._choices.get(state.request_id)
         if choices is not None and not any(sid in self._requests for sid in choices):
@@ -440,6 +530,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent); the engine is unusable after."""
+        self.structured.shutdown()
         self.executor.shutdown()
 
     def stats(self) -> dict:

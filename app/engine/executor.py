@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from app.config import EngineConfig
-from app.engine.model_runner import ModelRunner, ScheduledRequest, StepMessage, StepResult
+from app.engine.model_runner import GrammarMask, ModelRunner, ScheduledRequest, StepMessage, StepResult
 from app.engine.sampler import SamplerOutput
 from app.engine.scheduler import SchedulerOutput
 from app.engine.sequence import Sequence
@@ -98,10 +98,14 @@ class Executor(ABC):
     def __init__(self) -> None:
         self._messages = StepMessageBuilder()
 
-    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+    def launch(self, sched: SchedulerOutput, grammar: GrammarMask | None = None,
+               defer_sample: bool = False) -> LaunchedStep:
         """Start one scheduled step; collect() waits for it. Executors that cannot run a step in the
-        background (supports_async False) run it here."""
+        background (supports_async False) run it here. grammar: structured outputs' mask of the
+        step's sampling rows (rank 0 applies it). defer_sample: run the forward only; sample() then
+        launches the sampling (async scheduling: its mask needs the step in flight's tokens)."""
         message, sampling = self._messages.build(sched)
+        message.grammar, message.defer_sample = grammar, defer_sample
         try:
             handle = self._launch(message)
         except BaseException:
@@ -122,6 +126,20 @@ class Executor(ABC):
                                      prompt_logprobs=out.prompt_logprobs if out is not None else {})
         assert out is not None and len(out.token_ids) == len(sampling)
         return sampling, out
+
+    def sample(self, step: LaunchedStep, grammar: GrammarMask | None) -> None:
+        """Launch the sampling of a step launched with defer_sample (before any later launch),
+        its constrained rows masked by `grammar`, on rank 0."""
+        assert step.message.defer_sample
+        try:
+            self._sample(grammar)
+        except BaseException:
+            self._messages.failed(step.message)
+            raise
+        step.timing = dict(self.last_timing)
+
+    def _sample(self, grammar: GrammarMask | None) -> None:
+        raise NotImplementedError(f"{type(self).__name__} runs steps to the end: it never defers sampling")
 
     def abandon(self, step: LaunchedStep) -> None:
         """A launched step will not be collected (a step failed): every rank gets its requests whole
@@ -182,6 +200,9 @@ class LocalExecutor(Executor):
 
     def _collect(self, handle: StepResult) -> SamplerOutput | None:
         return handle.result()
+
+    def _sample(self, grammar: GrammarMask | None) -> None:
+        self.runner.sample(grammar)
 
     @property
     def last_timing(self) -> dict:

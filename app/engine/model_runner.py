@@ -73,9 +73,22 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class GrammarMask:
+    """Structured outputs' token bitmask of one step, for rank 0's sampler (app/engine/grammar.py
+    fills it): which tokens each constrained row may pick."""
+
+    rows: list[int]  # the constrained rows, as indices among the step's sampling requests
+    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32 on the CPU: bit j of a row allows token j
+
+
+@dataclass(slots=True)
 class StepMessage:
     requests: list[ScheduledRequest]
     finished_request_ids: list[str]  # drop their state (block table, params, generator) first
+    grammar: GrammarMask | None = None  # rank 0 masks these rows' logits before it samples
+    # Run the forward and keep the logits; the sampling waits for ModelRunner.sample(mask) (async
+    # scheduling with structured outputs: the mask needs the previous step's tokens on the host).
+    defer_sample: bool = False
 
 
 @dataclass(slots=True)
@@ -90,12 +103,15 @@ class _CachedRequest:
 
 
 class StepResult:
-    """A launched step's result on its way to the host (ModelRunner.launch); result() waits for it."""
+    """A launched step's result on its way to the host (ModelRunner.launch); result() waits for it.
+    A step launched with defer_sample has no sample until ModelRunner.sample() gives it one."""
 
-    def __init__(self, sample: PendingSample | None = None, finish=None) -> None:
-        self._sample, self._finish = sample, finish
+    def __init__(self, sample: PendingSample | None = None, finish=None, deferred: bool = False) -> None:
+        self._sample, self._finish, self.deferred = sample, finish, deferred
 
     def result(self) -> SamplerOutput | None:
+        if self._sample is None and self.deferred:  # its sampling never ran (a step failed meanwhile)
+            return SamplerOutput([], None, None)
         return None if self._sample is None else self._finish(self._sample.result())
 
 
@@ -109,6 +125,28 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [num_samples] int64 on the device: row of each sampling request's last token
     sample_request_ids: list[str]
+
+
+class _MaskStaging:
+    """Pinned host and device buffers of a step's grammar bitmask (CUDA only)."""
+
+    def __init__(self, rows: int, words: int, device: torch.device) -> None:
+        self.bits_host = torch.empty(rows, words, dtype=torch.int32, pin_memory=True)
+        self.rows_host = torch.empty(rows, dtype=torch.int64, pin_memory=True)
+        self.bits = torch.empty(rows, words, dtype=torch.int32, device=device)  # [rows, words]
+        self.rows = torch.empty(rows, dtype=torch.int64, device=device)  # [rows]
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def upload(self, rows: list[int], bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = len(rows)
+        self._copied.synchronize()  # the previous step's copies have read the staging
+        self.bits_host[:k].copy_(bitmask)
+        self.rows_host.numpy()[:k] = rows
+        self.bits[:k].copy_(self.bits_host[:k], non_blocking=True)
+        self.rows[:k].copy_(self.rows_host[:k], non_blocking=True)
+        self._copied.record()
+        return self.rows[:k], self.bits[:k]
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -185,6 +223,9 @@ class ModelRunner:
         # step launched before that one is collected takes its PENDING_TOKEN inputs from there
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
+        # rank 0, a step launched with defer_sample: (its result, logits, request ids, extra) until sample()
+        self._deferred: tuple | None = None
+        self._mask_staging: _MaskStaging | None = None  # structured outputs' bitmask on its way to the device
         # Per-step phase times (seconds) of the latest step; with sync_timings the device is
         # synchronized between phases so that they are exact (benchmarks only: it costs overlap).
         self.sync_timings = False
@@ -419,6 +460,7 @@ class ModelRunner:
         are on their way to the host (on CUDA; on the CPU the step has run). A later step may take
         its input tokens from these samples (PENDING_TOKEN) before result() is called."""
         assert self.kv_cache is not None, "allocate_kv_cache() first"
+        self._deferred = None  # a deferred step never sampled was abandoned: its requests come back whole
         self._update_requests(step)
         if not step.requests:
             return StepResult()
@@ -453,13 +495,13 @@ class ModelRunner:
         seq_bad = torch.zeros(inputs.num_seqs, dtype=torch.int64, device=self.device)
         seq_bad.index_add_(0, self.buffers.token_seq.dev[:inputs.num_tokens],
                            inputs.meta.nonfinite[:inputs.num_tokens].long())
+        pending = None
         if rids:
             logits = logits[:, : self.vocab_size]  # [num_sampled, vocab] float32
-            logits_bad = (~torch.isfinite(logits).all(dim=-1)).long()
-            pending = self.sampler(logits, [self.requests[rid].params for rid in rids],
-                                   [self.generators.get(rid) for rid in rids], extra=torch.cat((seq_bad, logits_bad)),
-                                   defer=True)
-            self._prev_tokens = pending.token_ids
+            logits_bad = (~torch.isfinite(logits).all(dim=-1)).long()  # before any grammar mask's -inf
+            extra = torch.cat((seq_bad, logits_bad))
+            if not step.defer_sample:
+                pending = self._sample(logits, rids, extra, step.grammar)
         else:
             pending = PendingSample.of_extra(seq_bad)
         prompt_logprobs = {}
@@ -482,4 +524,40 @@ class ModelRunner:
 
         self._sync()
         self.last_timing["sample_s"] = time.perf_counter() - t2
+        if pending is None:  # deferred: sample() launches it
+            result = StepResult(None, finish, deferred=True)
+            self._deferred = (result, logits, rids, extra)
+            return result
         return StepResult(pending, finish)
+
+    def _sample(self, logits: torch.Tensor, rids: list[str], extra: torch.Tensor,
+                grammar: GrammarMask | None) -> PendingSample:
+        mask = self._upload_mask(grammar) if grammar is not None and grammar.rows else None
+        pending = self.sampler(logits, [self.requests[rid].params for rid in rids],
+                               [self.generators.get(rid) for rid in rids], extra=extra, defer=True, mask=mask)
+        self._prev_tokens = pending.token_ids
+        return pending
+
+    @torch.inference_mode()
+    def sample(self, grammar: GrammarMask | None) -> None:
+        """Rank 0: launch the sampling of the step launched with defer_sample, its constrained rows
+        masked by `grammar` (no sync: its result() waits for the samples as any step's does). The
+        next step may take its pending input tokens from these samples."""
+        assert self._deferred is not None, "sample() follows a launch with defer_sample"
+        result, logits, rids, extra = self._deferred
+        self._deferred = None
+        t0 = time.perf_counter()
+        result._sample = self._sample(logits, rids, extra, grammar)
+        self.last_timing["sample_s"] = self.last_timing.get("sample_s", 0.0) + time.perf_counter() - t0
+
+    def _upload_mask(self, grammar: GrammarMask) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [k] int64, bitmask [k, words] int32) on the device: on CUDA through pinned staging
+        and non-blocking copies (no sync; the staging is refilled only once its copy ran)."""
+        k = len(grammar.rows)
+        if self.device.type == "cpu":
+            return torch.tensor(grammar.rows, dtype=torch.int64), grammar.bitmask
+        staging = self._mask_staging
+        if staging is None or staging.bits_host.shape[0] < k or staging.bits_host.shape[1] != grammar.bitmask.shape[1]:
+            staging = self._mask_staging = _MaskStaging(max(k, self.config.max_num_seqs), grammar.bitmask.shape[1],
+                                                        self.device)
+        return staging.upload(grammar.rows, grammar.bitmask)

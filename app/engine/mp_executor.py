@@ -23,6 +23,7 @@ the worker code here is the Ray executor's (tp_rank.start_rank, ModelRunner.exec
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -80,6 +81,8 @@ def _worker_main(rank: int, tp_size: int, config: EngineConfig, vocab_size: int,
                 if owed is not None:
                     answer(owed[0].result(), owed[1])
                 owed = launched
+            elif command == "sample":  # rank 0: sample the step launched last with defer_sample
+                runner.sample(arg)
             elif command == "flush":  # answer the step launched last
                 if owed is not None:
                     answer(owed[0].result(), owed[1])
@@ -171,6 +174,9 @@ class MultiprocExecutor(Executor):
         self._num_launched += 1
         return self._num_launched
 
+    def _sample(self, grammar) -> None:
+        self._send(0, ("sample", grammar))  # only rank 0 samples
+
     def _collect(self, handle):
         if not self.pipelined:
             return handle
@@ -208,12 +214,22 @@ class MultiprocExecutor(Executor):
         if self._dead is not None:
             raise EngineDeadError(f"tensor-parallel workers are stopped: {self._dead}")
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)  # once for all ranks
+        first = data
+        name, arg = command
+        if isinstance(arg, StepMessage) and arg.grammar is not None:  # the mask is rank 0's alone
+            data = pickle.dumps((name, dataclasses.replace(arg, grammar=None)), protocol=pickle.HIGHEST_PROTOCOL)
         for rank in self._send_order:
-            conn = self.conns[rank]
-            try:
-                conn.send_bytes(data)
-            except OSError as e:  # the worker's end is closed: it died
-                self._fail(f"rank {rank} is gone ({self._exit_status(rank)}) and could not be sent {command[0]}()", e)
+            self._send(rank, command, first if rank == 0 else data)
+
+    def _send(self, rank: int, command: tuple, data: bytes | None = None) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"tensor-parallel workers are stopped: {self._dead}")
+        if data is None:
+            data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self.conns[rank].send_bytes(data)
+        except OSError as e:  # the worker's end is closed: it died
+            self._fail(f"rank {rank} is gone ({self._exit_status(rank)}) and could not be sent {command[0]}()", e)
 
     def _gather(self, what: str, timeout_s: float | None) -> list:
         """Every rank's answer, in rank order; a death, an error or the deadline fails the engine."""

@@ -168,6 +168,9 @@ class Scheduler:
             j = 0  # waiting requests are admitted in order; one held for an in-flight prefix is stepped over
             while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[j]
+                if seq.awaiting_grammar:  # its grammar is compiling: it waits, the others go on
+                    j += 1
+                    continue
                 hits, num_hit_tokens = self.kv.get_computed_blocks(seq)
                 if self._awaits_inflight(seq, num_hit_tokens, inflight):
                     j += 1

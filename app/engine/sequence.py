@@ -57,6 +57,9 @@ class Sequence:
     # num_computed_tokens), and tokens it will sample (not yet known: PENDING_TOKEN in token_slice).
     num_inflight_tokens: int = 0
     num_pending_tokens: int = 0
+    # Structured outputs: its grammar is still compiling (app/engine/grammar.py); the scheduler
+    # leaves it waiting, and schedules the requests behind it.
+    awaiting_grammar: bool = False
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a sequence needs at least one prompt token"
