@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from app.engine.sampler import Sampler, top_k_top_p_threshold
+from app.engine.sampler import Sampler, apply_token_bitmask, apply_token_bitmask_ref, top_k_top_p_threshold
 from app.engine.sampling_params import SamplingParams as SP
 
 
@@ -215,6 +215,47 @@ def test_logprobs_are_raw_log_softmax():
         assert [v for _, v in top] == pytest.approx(values[:n].tolist(), abs=1e-4)
         assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
     assert out.top_logprobs[3][0][0] == out.token_ids[3]  # greedy picks the top logprob
+
+
+@pytest.mark.parametrize("rows, vocab, constrained", [
+    (1, 32, [0]), (5, 1027, [0, 2, 4]), (4, 1000, [3, 1]), (8, 4099, list(range(8)))])
+def test_token_bitmask_against_its_reference(rows, vocab, constrained):
+    """Vocabularies that are not whole words (1027, 4099), unconstrained rows between constrained
+    ones, rows out of order."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(rows, vocab, generator=g)  # [rows, vocab]
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (len(constrained), words), dtype=torch.int32, generator=g)
+    bitmask[0, 0] = -1  # all allowed
+    bitmask[-1, -1] = 0  # none of the last word
+    idx = torch.tensor(constrained)
+    ours, ref = logits.clone(), logits.clone()
+    apply_token_bitmask(ours, bitmask, idx)
+    apply_token_bitmask_ref(ref, bitmask, idx)
+    assert torch.equal(ours, ref)
+    untouched = [r for r in range(rows) if r not in constrained]
+    assert torch.equal(ours[untouched], logits[untouched])
+    assert (ours == float("-inf")).any()
+
+
+def test_a_mask_restricts_sampling_and_logprobs_to_allowed_tokens():
+    """Greedy, sampled and seeded rows pick only allowed tokens; the log-probs are those of the
+    masked distribution (renormalized over the allowed tokens) and name no disallowed token."""
+    logits = _logits(3, 200, seed=3)
+    bitmask = torch.zeros(2, 7, dtype=torch.int32)
+    bitmask[0, 0] = 0b1011  # tokens 0, 1, 3
+    bitmask[1, 3] = 1 << 5  # token 101 alone
+    params = [SP(temperature=0, logprobs=5), SP(temperature=1.0, logprobs=5), SP(temperature=0.7, logprobs=2)]
+    for seed in range(10):
+        out = Sampler()(logits.clone(), params, [None, _gen(seed), None],
+                        mask=(torch.tensor([0, 2]), bitmask))
+        assert out.token_ids[0] in (0, 1, 3) and out.token_ids[2] == 101
+        allowed = torch.log_softmax(logits[0, [0, 1, 3]].double(), -1)
+        assert [i for i, _ in out.top_logprobs[0]] == [(0, 1, 3)[j] for j in allowed.argsort(descending=True)]
+        assert [v for _, v in out.top_logprobs[0]] == pytest.approx(allowed.sort(descending=True).values.tolist(),
+                                                                    abs=1e-5)
+        assert out.top_logprobs[2] == [(101, pytest.approx(0.0, abs=1e-6))] and out.logprobs[2] == pytest.approx(0.0)
+        assert len(out.top_logprobs[1]) == 5  # the unconstrained row
 
 
 def test_bad_shapes_are_reported():

@@ -43,6 +43,19 @@ def test_chunked_prefill_then_decode():
     assert step(s)[0] == [("a", 1)] and a.num_computed_tokens == 11
 
 
+def test_a_request_awaiting_its_grammar_is_stepped_over():
+    """Structured outputs: while its grammar compiles a request waits; the requests behind it are
+    admitted, and it is once the flag drops."""
+    s = make()
+    a, b = req("a", 3, start=100), req("b", 3, start=200)
+    a.awaiting_grammar = True
+    s.add_request(a)
+    s.add_request(b)
+    assert step(s)[0] == [("b", 3)] and a.block_table == [] and s.num_waiting == 1
+    a.awaiting_grammar = False
+    assert step(s)[0] == [("b", 1), ("a", 3)]
+
+
 def test_running_first_then_waiting_within_budget_and_max_num_seqs():
     s = make(budget=5, max_seqs=2)
     a, b, c = req("a", 3, start=100), req("b", 9, start=200), req("c", 2, start=300)

