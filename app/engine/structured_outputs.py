@@ -57,7 +57,9 @@ class StructuredOutputsError(InvalidRequestError):
 class StructuredOutputs:
     """What a request's output must match (vLLM's StructuredOutputsParams names). Exactly one of:"""
 
-    json: str | None = None  # a JSON schema, serialized (json.dumps(schema, sort_keys=True))
+    # a JSON schema, serialized (json.dumps(schema)); keep the client's key order: outputs list an
+    # object's properties in the order the schema does (sort_keys=True would put "arguments" before "name")
+    json: str | None = None
     json_object: bool = False  # any JSON object
     regex: str | None = None
     choice: tuple[str, ...] | None = None

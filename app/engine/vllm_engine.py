@@ -176,7 +176,7 @@ class VLLMEngine:
         args, env = vllm_engine_args(config)
         try:
             from vllm import SamplingParams as VSamplingParams, TokensPrompt
-            from vllm.config import KVEventsConfig
+            from vllm.config import KVEventsConfig, StructuredOutputsConfig
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -196,6 +196,10 @@ class VLLMEngine:
         pub, replay = f"ipc://{self._ipc_dir}/events", f"ipc://{self._ipc_dir}/replay"
         args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=config.enable_prefix_caching,
                                                   publisher="zmq", endpoint=pub, replay_endpoint=replay)
+        # Structured outputs with xgrammar, JSON without free whitespace, as our engine writes it
+        # (vLLM's xgrammar backend reads this engine-wide setting, not the request's)
+        args["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar",
+                                                                    disable_any_whitespace=not JSON_ANY_WHITESPACE)
         # counters and the latest scheduler stats (the stat logger writes them on the event loop)
         self._sched: dict = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
         self.num_requests_total = self.num_steps = self.num_preemptions_total = 0
