@@ -25,9 +25,9 @@ from app.engine.async_engine import AsyncLLMEngine
 from app.engine.errors import InvalidRequestError
 from app.engine.grammar import xgrammar_tokenizer_info
 from app.engine.sampling_params import SamplingParamsError
-from app.engine.structured_outputs import (FORMAT_PATTERNS, MAX_SPEC_CHARS, UNSUPPORTED_JSON_KEYWORDS,
-                                           StructuredOutputs, StructuredOutputsError, _optional_groups,
-                                           check_structured_outputs, to_grammar)
+from app.engine.structured_outputs import (MAX_SPEC_CHARS, UNSUPPORTED_JSON_KEYWORDS, StructuredOutputs,
+                                           StructuredOutputsError, check_structured_outputs, to_grammar)
+from app.engine.xgrammar_fixes import FORMAT_PATTERNS, optional_groups_counted
 
 from schemas_testing import OPEN_SCHEMAS, SCHEMAS, SELF_RECURSIVE, WEATHER
 from test_async_scheduling import _run, _summary
@@ -238,7 +238,7 @@ def test_format_patterns_hold_exactly_the_valid_values():
     (r"\\(a)?", r"\\(a){0,1}"),  # an escaped backslash, then a group
 ])
 def test_optional_groups_are_spelled_counted(pattern, spelled):
-    assert _optional_groups(pattern) == spelled
+    assert optional_groups_counted(pattern) == spelled
 
 
 # -- tokenizers ------------------------------------------------------------------------------------

@@ -83,7 +83,8 @@ def test_structured_outputs_map_to_vllms_params():
     """Field by field onto vLLM's StructuredOutputsParams (a dict stands in for the class here):
     the JSON schema as our engine gives it to xgrammar (formats as exact patterns), the same
     whitespace policy."""
-    from app.engine.structured_outputs import FORMAT_PATTERNS, StructuredOutputs
+    from app.engine.structured_outputs import StructuredOutputs
+    from app.engine.xgrammar_fixes import FORMAT_PATTERNS
     from app.engine.vllm_engine import to_vllm_structured_outputs
 
     schema = {"type": "object", "properties": {"day": {"type": "string", "format": "date"}}}

@@ -7,8 +7,10 @@ xgrammar would silently not enforce, so that a bad spec is an InvalidRequestErro
 before the request is queued anywhere. The engine compiles the spec against its tokenizer later,
 off its loop.
 
-Pure Python at import (the HTTP ingress imports it). The first call of check_structured_outputs
-imports xgrammar, and with it torch and transformers (about 1.8 s of CPU, once per process).
+xgrammar's loose spots (where it would let through what JSON or the schema forbids) are worked
+around in app/engine/xgrammar_fixes.py. Pure Python at import (the HTTP ingress imports it). The
+first call of check_structured_outputs imports xgrammar, and with it torch and transformers (about
+1.8 s of CPU, once per process).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from app.engine.errors import InvalidRequestError
+from app.engine.xgrammar_fixes import schema_for_xgrammar, strict_json_strings
 
 # A spec is parsed on the caller's thread and compiled on one of the engine's two compile threads:
 # its size is bounded. Compile time grows faster than the schema: an object of 1,000 optional
@@ -77,7 +80,8 @@ class StructuredOutputs:
             if value is not None and not isinstance(value, str):
                 raise StructuredOutputsError(f"structured_outputs.{name} must be a string (got {type(value).__name__})")
         if not isinstance(self.json_object, bool):
-            raise StructuredOutputsError(f"structured_outputs.json_object must be a bool (got {self.json_object!r:.80})")
+            raise StructuredOutputsError(
+                f"structured_outputs.json_object must be a bool (got {self.json_object!r:.80})")
         if self.choice is not None:
             if not isinstance(self.choice, tuple) or not all(isinstance(c, str) for c in self.choice):
                 raise StructuredOutputsError("structured_outputs.choice must be a tuple of strings "
@@ -135,8 +139,8 @@ def to_grammar(so: StructuredOutputs):
             return _json_schema_grammar(schema)
         if kind == "json_object":
             # strict_mode off: {"type": "object"} then allows any properties
-            return _json_safe(xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=JSON_ANY_WHITESPACE,
-                                                           strict_mode=False))
+            return strict_json_strings(xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=JSON_ANY_WHITESPACE, strict_mode=False))
         if kind == "regex":
             return xgr.Grammar.from_regex(so.regex)
         if kind == "choice":
@@ -174,112 +178,23 @@ def _structural_tag_grammar(spec: str):
             if bad:
                 raise StructuredOutputsError(f"structured_outputs.structural_tag: a schema uses {', '.join(bad)}, "
                                              "which the grammar engine (xgrammar) does not enforce")
-            items.append(xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(_with_format_patterns(s["schema"])),
-                                               end=s["end"]))
-        return _json_safe(xgr.Grammar.from_structural_tag(items, triggers))
-    return _json_safe(xgr.Grammar.from_structural_tag(spec))
-
-
-# xgrammar 0.2.9 spells the characters of a JSON string loosely: with minLength/maxLength as
-# [^"\\\r\n], which lets raw control characters (U+0000-U+001F) through, invalid in JSON (a model
-# wrote \x05 there); and every string admits UTF-16 surrogates (U+D800-U+DFFF, bytes ED A0-BF ..),
-# which are no UTF-8: decoded, each byte becomes U+FFFD and a 12-character name grew to 14. The
-# grammar's text is rewritten without them and parsed again. (Strings under a `pattern` are matched
-# by xgrammar's own regex engine, which excludes control characters; its negated classes and "."
-# still admit surrogates, which only a model that writes raw bytes produces.)
-_STRING_CHAR_REWRITES = {
-    '[^\\"\\\\\\r\\n]': '[^\\0-\\x1f\\"\\\\\\uD800-\\uDFFF]',
-    '[^\\0-\\x1f\\"\\\\\\r\\n]': '[^\\0-\\x1f\\"\\\\\\uD800-\\uDFFF]',
-}
-
-
-def _json_safe(grammar):
-    text = original = str(grammar)
-    for loose, strict in _STRING_CHAR_REWRITES.items():
-        text = text.replace(loose, strict)
-    if text == original:
-        return grammar
-    import xgrammar as xgr
-
-    return xgr.Grammar.from_ebnf(text)
+            schema = json.dumps(schema_for_xgrammar(s["schema"]))
+            items.append(xgr.StructuralTagItem(begin=s["begin"], schema=schema, end=s["end"]))
+        return strict_json_strings(xgr.Grammar.from_structural_tag(items, triggers))
+    return strict_json_strings(xgr.Grammar.from_structural_tag(spec))
 
 
 def xgrammar_json_schema(so: StructuredOutputs) -> str:
-    """The JSON schema of `so` as the engine hands it to xgrammar (formats as exact patterns, see
-    FORMAT_PATTERNS): what the vLLM backend passes vLLM, so both backends enforce the same."""
-    return json.dumps(_with_format_patterns(json.loads(so.json)))
+    """The JSON schema of `so` as the engine hands it to xgrammar (formats as exact patterns:
+    app/engine/xgrammar_fixes.py): what the vLLM backend passes vLLM, so both enforce the same."""
+    return json.dumps(schema_for_xgrammar(json.loads(so.json)))
 
 
 def _json_schema_grammar(schema: dict):
     import xgrammar as xgr
 
-    return _json_safe(xgr.Grammar.from_json_schema(json.dumps(_with_format_patterns(schema)),
-                                                   any_whitespace=JSON_ANY_WHITESPACE, strict_mode=True))
-
-
-# String formats that xgrammar 0.2.9 spells looser than JSON Schema means them, as patterns that
-# hold exactly the valid values (RFC 3339 dates with the days each month has, leap years included,
-# years 0001-9999; dotted quads without leading zeros), so that an output always passes a format
-# checker. Fractions
-# of a second get at most 9 digits (a model could otherwise write digits to its token budget).
-_DAY = "((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
-_YEAR = "([0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"  # 0001-9999 (Python's dates have no year 0)
-_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
-_DATE = f"({_YEAR}-{_DAY}|{_LEAP_YEAR}-02-29)"
-_TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
-_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-FORMAT_PATTERNS = {
-    "date": f"^{_DATE}$",
-    "time": f"^{_TIME}$",
-    "date-time": f"^{_DATE}T{_TIME}$",
-    "ipv4": f"^({_OCTET}\\.){{3}}{_OCTET}$",
-}
-
-
-def _with_format_patterns(node):
-    """A copy of a schema for xgrammar: string formats of FORMAT_PATTERNS become their patterns
-    (where the schema gives no pattern of its own), and patterns are spelled as _optional_groups says."""
-    if isinstance(node, list):
-        return [_with_format_patterns(v) for v in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _with_format_patterns(v) for k, v in node.items()}
-    fmt = node.get("format")
-    if isinstance(fmt, str) and fmt in FORMAT_PATTERNS and "pattern" not in node:
-        del out["format"]
-        out["pattern"] = FORMAT_PATTERNS[fmt]
-    if isinstance(out.get("pattern"), str):
-        out["pattern"] = _optional_groups(out["pattern"])
-    return out
-
-
-def _optional_groups(pattern: str) -> str:
-    """`(...)?` spelled `(...){0,1}`: xgrammar 0.2.9 matches a JSON string's pattern `a(x[0-9]{1,3})?b`
-    against "a12b" too (an optional group loses its first character before a repetition); the
-    counted form is matched right. Escapes and character classes are left as they are."""
-    out, i, in_class = [], 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            out.append(pattern[i:i + 2])
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            if pattern[i + 1:i + 2] == "]" or pattern[i + 1:i + 3] == "^]":  # a leading ']' is a member
-                j = i + 2 if pattern[i + 1] == "]" else i + 3
-                out.append(pattern[i:j])
-                i = j
-                continue
-        elif c == ")" and pattern[i + 1:i + 2] == "?" and pattern[i + 2:i + 3] != "?":
-            out.append("){0,1}")
-            i += 2
-            continue
-        out.append(c)
-        i += 1
-    return "".join(out)
+    return strict_json_strings(xgr.Grammar.from_json_schema(
+        json.dumps(schema_for_xgrammar(schema)), any_whitespace=JSON_ANY_WHITESPACE, strict_mode=True))
 
 
 def _parse_json(text: str, field: str):

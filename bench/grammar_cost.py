@@ -4,16 +4,17 @@ Decode: a batch of requests with a JSON schema (an agent's plan with tool calls:
 integers, an array of objects) against the same batch unconstrained, greedy. Each engine step is
 timed (LLMEngine.step_timings); the rate counts only decode-only steps whose batch is still
 whole (every request running), as the time a step adds (the gap between its end and the previous
-step's: with async scheduling a step's span overlaps the next one's). The two kinds of batch are
-alternated over --rounds and each one's best round is reported.
+step's: with async scheduling a step's span overlaps the next one's), over the first steps that
+both kinds ran whole. The two kinds of batch alternate over --rounds; each one's best round is
+reported.
 
 Compile: a typical tool-call schema, --compiles variants (a different description each, so no
 cache hit), compiled against the model's tokenizer on the engine's compile threads: p50 and max;
 then the same spec again (a cache hit), and the check the ingress runs (check_structured_outputs).
 
-    python bench/structured_outputs.py --model tiny-llama
-    python bench/structured_outputs.py --model smollm2-135m-instruct
-    python bench/structured_outputs.py --model llama-3.1-8b --load-format dummy --device cuda --kv-cache-dtype bf16
+    python bench/grammar_cost.py --model tiny-llama
+    python bench/grammar_cost.py --model smollm2-135m-instruct
+    python bench/grammar_cost.py --model llama-3.1-8b --load-format dummy --device cuda --kv-cache-dtype bf16
 """
 
 from __future__ import annotations
@@ -135,8 +136,8 @@ def main() -> None:
     llm.generate(prompts[:2], constrained)  # compile the schema and warm up both paths
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))
     runs = {"plain": [], "json": []}
-    for r in range(args.rounds):
-        for kind in (("plain", "json") if r % 2 == 0 else ("json", "plain")):
+    for _ in range(args.rounds):  # alternated, so that a load from elsewhere falls on both kinds
+        for kind in ("plain", "json"):
             runs[kind].append(decode_gaps(llm, prompts, plain if kind == "plain" else constrained))
     # the same steps of both: the first k of the whole batch (the constrained batch shrinks once
     # its first request completes its schema; later steps also attend over longer contexts)
