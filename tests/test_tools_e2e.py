@@ -260,3 +260,20 @@ def test_the_openai_clients_parse_helper_against_serve_run(tmp_path):
                                             tools=[openai.pydantic_function_tool(Lookup)], tool_choice="required",
                                             max_tokens=80, temperature=0)
         assert isinstance(out.choices[0].message.tool_calls[0].function.parsed_arguments, Lookup)
+
+
+@needs_smol
+def test_the_tool_using_agent_swarm():
+    """examples/agent_swarm.py --tools: each agent's first turn calls a tool (required), the agent
+    runs it and sends the result back; the next turn's prompt comes mostly from the cache."""
+    import sys
+
+    from serve_testing import REPO_ROOT
+
+    sys.path.insert(0, str(REPO_ROOT / "examples"))
+    import agent_swarm
+
+    out = agent_swarm.run(agent_swarm.parse_args(["--tools", "--agents", "2", "--turns", "3", "--max-tokens", "64"]))
+    for log in out["logs"]:
+        assert log[0]["calls"] and not log[0]["calls"][0].split(" -> ")[1].startswith("error: no tool")
+        assert len(log) >= 2 and log[1]["cached_tokens"] > 0
