@@ -239,7 +239,7 @@ class ChatMessage(BaseModel):
         if self.role == "tool" and not self.tool_call_id:
             raise FieldError("tool_call_id", "a tool message needs tool_call_id: the id of the assistant's call "
                              "it answers")
-        if self.tool_calls is not None and self.role != "assistant":
+        if self.tool_calls and self.role != "assistant":  # (some clients send [] on every message)
             raise FieldError("tool_calls", f"only assistant messages carry tool_calls (this one is {self.role!r})")
         return self
 

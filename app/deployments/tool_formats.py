@@ -12,6 +12,7 @@ follow the function's parameters schema, and the tag ends with the format's clos
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from typing import Any
 
 from app.deployments.tool_parsers import ToolCallParserName
@@ -19,12 +20,13 @@ from app.deployments.tool_parsers import ToolCallParserName
 Format = dict[str, Any]  # an xgrammar structural-tag format
 
 
-class ToolFormat:
+class ToolFormat(ABC):
     name: ToolCallParserName
     call_begin: str  # a call's text up to the function name
     arguments_key: str  # "arguments" or "parameters"
     call_end: str  # after the arguments object
     separator: str  # between calls
+    several = ""  # how to write several calls (the fallback instructions)
 
     def call_prefix(self, name: str) -> str:
         return f'{self.call_begin}{json.dumps(name)}, "{self.arguments_key}": '
@@ -43,8 +45,6 @@ class ToolFormat:
         return (f"To call a function, answer with the call in exactly this format, where <arguments-object> is "
                 f"a JSON object that follows the function's parameters schema:\n{example}\n{self.several}")
 
-    several = ""
-
     def call_tag(self, name: str, schema: dict[str, Any]) -> Format:
         return {"type": "tag", "begin": self.call_prefix(name),
                 "content": {"type": "json_schema", "json_schema": schema}, "end": self.call_end}
@@ -59,9 +59,9 @@ class ToolFormat:
         """tool_choice naming a function: exactly one call of it and nothing else."""
         return tag
 
+    @abstractmethod
     def text_or_calls(self, tags: list[Format], one: bool) -> Format:
-        """strict tools under auto: free text, and calls (valid ones) wherever the model starts one."""
-        raise NotImplementedError
+        """strict tools under auto: free text, and calls (valid ones) where the parser reads them."""
 
 
 class HermesFormat(ToolFormat):

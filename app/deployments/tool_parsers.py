@@ -156,7 +156,8 @@ class JsonScanner:
 
 class _MarkedBlocks(ToolCallParser):
     """Content, and blocks that start with `marker`: a valid block is calls, an invalid one is
-    content as written. Whitespace held before a marker is dropped if the block is calls."""
+    content as written. Whitespace around calls (before a block, after one) waits in _gap and is
+    kept only between two pieces of content."""
 
     marker: str
     bare_block_at_start = False  # mistral: a block at the start may lack its (skipped) marker
