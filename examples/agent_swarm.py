@@ -149,9 +149,10 @@ class ToolAgent:
                     {"role": "user", "content": task}]
         log = []
         for turn in range(turns):
+            # one call per turn: the grammar ends the turn after it (a small model may go on calling)
             request = ChatCompletionRequest(model=self.model, messages=messages, tools=TOOLS, temperature=0,
                                             tool_choice="required" if turn == 0 else "auto",
-                                            max_tokens=self.max_tokens)
+                                            parallel_tool_calls=False, max_tokens=self.max_tokens)
             start = time.perf_counter()
             (response,) = [r async for r in self.app.options(stream=True).chat.remote(request, session_id=self.name)]
             message, usage = response.choices[0].message, response.usage

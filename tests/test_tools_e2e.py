@@ -90,7 +90,7 @@ def test_tool_choice_reaches_the_engine_as_a_structural_tag():
     server = ScriptedLLMServer('<tool_call>\n{"name": "lookup", "arguments": {"key": "kv"}}\n</tool_call>')
     [resp] = chat_on(server, {"tools": TOOLS, "tool_choice": "required"})
     so = server.requests[0].sampling_params.structured_outputs
-    assert json.loads(so.structural_tag)["format"]["type"] == "tags_with_separator"
+    assert json.loads(so.structural_tag)["format"]["type"] == "triggered_tags"
     assert resp.choices[0].finish_reason == "tool_calls"
 
 
@@ -133,10 +133,12 @@ def client_for(base_url, model):
 
 
 def valid_calls(choice, allowed):
-    """Every call parses and its arguments follow its tool's schema; returns the names."""
+    """Every call parses and its arguments follow its tool's schema; returns the names. (Under
+    required, text and more calls may follow the first call: a model that goes on to max_tokens
+    ends with "length", its complete calls still parsed.)"""
     calls = choice.message.tool_calls or []
     assert calls, choice
-    assert choice.finish_reason == "tool_calls", choice
+    assert choice.finish_reason in ("tool_calls", "length"), choice
     for call in calls:
         assert call.function.name in allowed
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
@@ -169,9 +171,9 @@ def test_required_calls_always_parse_and_validate(base_url):
         valid_calls(whole.choices[0], SCHEMAS)
         calls, finish = streamed_calls(client, **kwargs)
         assert calls == [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
-        assert finish == "tool_calls"
-        one = client.chat.completions.create(**kwargs, parallel_tool_calls=False)
-        assert len(valid_calls(one.choices[0], SCHEMAS)) == 1
+        assert finish == whole.choices[0].finish_reason
+        one = client.chat.completions.create(**kwargs, parallel_tool_calls=False)  # the grammar ends after it
+        assert len(valid_calls(one.choices[0], SCHEMAS)) == 1 and one.choices[0].finish_reason == "tool_calls"
 
 
 @needs_smol
@@ -181,7 +183,8 @@ def test_a_named_function_is_called_exactly_once(base_url):
         out = client.chat.completions.create(
             model=SMOL, messages=[{"role": "user", "content": prompt}], tools=TOOLS, max_tokens=160, temperature=0.7,
             seed=len(prompt), tool_choice={"type": "function", "function": {"name": "lookup"}})
-        assert valid_calls(out.choices[0], {"lookup"}) == ["lookup"]
+        assert valid_calls(out.choices[0], {"lookup"}) == ["lookup"] and out.choices[0].finish_reason == "tool_calls"
+        assert out.choices[0].message.content is None
 
 
 @needs_smol
@@ -199,7 +202,7 @@ def test_strict_tools_under_auto_validate_when_called(base_url):
 def test_structured_outputs_follow_their_constraint(base_url):
     model = SMOL
     client = client_for(base_url, model)
-    base = dict(model=model, messages=USER, max_tokens=120, temperature=0)
+    base = dict(model=model, messages=USER, max_tokens=200, temperature=0)
     out = client.chat.completions.create(**base, response_format={
         "type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}})
     assert out.choices[0].finish_reason == "stop"
@@ -258,7 +261,7 @@ def test_the_openai_clients_parse_helper_against_serve_run(tmp_path):
         assert isinstance(out.choices[0].message.parsed, Answer)
         out = client.chat.completions.parse(model=SMOL, messages=[{"role": "user", "content": "What is kv?"}],
                                             tools=[openai.pydantic_function_tool(Lookup)], tool_choice="required",
-                                            max_tokens=80, temperature=0)
+                                            parallel_tool_calls=False, max_tokens=80, temperature=0)
         assert isinstance(out.choices[0].message.tool_calls[0].function.parsed_arguments, Lookup)
 
 

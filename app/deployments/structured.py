@@ -115,10 +115,11 @@ def _choice(param: str, choices: list[str] | None) -> Constraint | None:
 
 
 def _tool_constraint(request, fmt: ToolFormat | None) -> Constraint | None:
-    """tool_choice required: one or more calls (one with parallel_tool_calls false) of the tools;
-    a named function: exactly one call of it; auto with strict tools: text, or calls whose
-    arguments follow the strict tools' schemas (the other tools' any object). The arguments of
-    every call the constraint covers follow their tool's parameters schema."""
+    """tool_choice required: the output begins with a call of one of the tools (then text and
+    more calls may follow; with parallel_tool_calls false it ends after the call); a named
+    function: exactly one call of it; auto with strict tools: text, and calls whose arguments
+    follow the strict tools' schemas (the other tools': any object). The arguments of every call
+    the constraint covers follow their tool's parameters schema."""
     if not isinstance(request, ChatCompletionRequest) or not request.tools:
         return None
     choice = request.effective_tool_choice
@@ -135,7 +136,7 @@ def _tool_constraint(request, fmt: ToolFormat | None) -> Constraint | None:
     if isinstance(choice, NamedToolChoice):
         tag, param = fmt.named(tags[0]), "tool_choice"
     elif choice == "required":
-        tag, param = fmt.calls_only(tags, one), "tool_choice"
+        tag, param = fmt.required(tags, one), "tool_choice"
     else:
         tag, param = fmt.text_or_calls(tags, one), "tools"
     checked = tuple((f"tools[{i}].function.parameters", json.dumps(schema, sort_keys=True))

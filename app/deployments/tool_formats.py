@@ -26,6 +26,7 @@ class ToolFormat(ABC):
     arguments_key: str  # "arguments" or "parameters"
     call_end: str  # after the arguments object
     separator: str  # between calls
+    trigger: str  # the text a call begins with, before its name
     several = ""  # how to write several calls (the fallback instructions)
 
     def call_prefix(self, name: str) -> str:
@@ -49,19 +50,21 @@ class ToolFormat(ABC):
         return {"type": "tag", "begin": self.call_prefix(name),
                 "content": {"type": "json_schema", "json_schema": schema}, "end": self.call_end}
 
-    # The three constraints; `one`: parallel_tool_calls false (exactly one call)
-    def calls_only(self, tags: list[Format], one: bool) -> Format:
-        """tool_choice required: one or more calls of these tools and nothing else."""
-        return {"type": "tags_with_separator", "tags": tags, "separator": self.separator, "at_least_one": True,
+    # The three constraints; `one`: parallel_tool_calls false (exactly one call, then the end)
+    def required(self, tags: list[Format], one: bool) -> Format:
+        """tool_choice required: the output begins with a call of one of these tools; after it,
+        text (the model may end there) and more calls."""
+        return {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags, "at_least_one": True,
                 "stop_after_first": one}
 
     def named(self, tag: Format) -> Format:
         """tool_choice naming a function: exactly one call of it and nothing else."""
         return tag
 
-    @abstractmethod
     def text_or_calls(self, tags: list[Format], one: bool) -> Format:
-        """strict tools under auto: free text, and calls (valid ones) where the parser reads them."""
+        """strict tools under auto: free text, and valid calls wherever the model begins one."""
+        return {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags, "at_least_one": False,
+                "stop_after_first": one}
 
 
 class HermesFormat(ToolFormat):
@@ -73,10 +76,6 @@ class HermesFormat(ToolFormat):
     trigger = "<tool_call>"
     several = "Several calls: one <tool_call> block after the other."
 
-    def text_or_calls(self, tags: list[Format], one: bool) -> Format:
-        return {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags, "at_least_one": False,
-                "stop_after_first": one}
-
 
 class Llama3JsonFormat(ToolFormat):
     name = "llama3_json"
@@ -84,12 +83,13 @@ class Llama3JsonFormat(ToolFormat):
     arguments_key = "parameters"
     call_end = "}"
     separator = "; "
+    trigger = '{"name": '
     several = "Several calls: separate them with '; '. A call is the whole answer: no text before it."
 
     def text_or_calls(self, tags: list[Format], one: bool) -> Format:
-        # The parser takes calls only at the start of the output: either calls, or text that never
-        # begins one.
-        return {"type": "or", "elements": [self.calls_only(tags, one),
+        # The parser reads calls only at the start of the output: calls first, or text that never
+        # begins one
+        return {"type": "or", "elements": [self.required(tags, one),
                                            {"type": "any_text", "excludes": ['{"name"']}]}
 
 
@@ -99,7 +99,7 @@ class MistralFormat(ToolFormat):
     arguments_key = "arguments"
     call_end = "}"
     separator = ", "
-    marker = "[TOOL_CALLS]"
+    marker = trigger = "[TOOL_CALLS]"
     several = "Several calls: put them all in the one list, separated by ', '."
 
     def render_calls(self, calls: list[tuple[str, Any]]) -> str:
@@ -108,14 +108,16 @@ class MistralFormat(ToolFormat):
     def _block(self, content: Format) -> Format:
         return {"type": "tag", "begin": self.marker + "[", "content": content, "end": "]"}
 
-    def calls_only(self, tags: list[Format], one: bool) -> Format:
-        return self._block(super().calls_only(tags, one))
+    def required(self, tags: list[Format], one: bool) -> Format:
+        """One [TOOL_CALLS] list of one or more calls, and the end."""
+        return self._block({"type": "tags_with_separator", "tags": tags, "separator": self.separator,
+                            "at_least_one": True, "stop_after_first": one})
 
     def named(self, tag: Format) -> Format:
         return self._block(tag)
 
     def text_or_calls(self, tags: list[Format], one: bool) -> Format:
-        return {"type": "triggered_tags", "triggers": [self.marker], "tags": [self.calls_only(tags, one)],
+        return {"type": "triggered_tags", "triggers": [self.marker], "tags": [self.required(tags, one)],
                 "at_least_one": False, "stop_after_first": True}
 
 
