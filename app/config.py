@@ -253,6 +253,13 @@ class ServerConfig(BaseModel):
         4 * 2**20, ge=1024, description="Largest HTTP request body the ingress reads; larger ones get 413 "
         "before they are parsed.",
     )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto", description="How tool calls are written and parsed back (docs/API.md 'Tools'): 'hermes' "
+        "(<tool_call>{\"name\", \"arguments\"}</tool_call>: Hermes, Qwen 2.5), 'llama3_json' ({\"name\", "
+        "\"parameters\"}: Llama 3.1/3.2), 'mistral' ([TOOL_CALLS][...]). 'auto': the one the model's chat template "
+        "writes ([TOOL_CALLS] -> mistral, <tool_call> -> hermes, <|python_tag|> or ipython -> llama3_json), hermes "
+        "otherwise and for templates without tools (the fallback prompt teaches it).",
+    )
     metrics_require_api_key: bool = Field(
         False, description="Serve /metrics only to requests with one of api_keys (when keys are set).",
     )

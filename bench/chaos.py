@@ -6,8 +6,9 @@ shorter request deadline), connects to its Ray, and for --duration seconds drive
 - agent sessions: multi-turn /v1/completions, each turn the previous prompt + answer + new text
   (streamed or not, alternately), a new session once the context is long; a turn that gets a
   503 or a mid-stream error is retried after Retry-After, as a client would;
-- fuzzed request bodies from the API's own JSON schemas (bench/request_fuzz.py), plus bodies
-  that are not JSON, not objects, or larger than max_request_body_bytes;
+- fuzzed request bodies from the API's own JSON schemas (bench/request_fuzz.py; a quarter of
+  them chat bodies with tools, tool history and output constraints), plus bodies that are not
+  JSON, not objects, or larger than max_request_body_bytes;
 - clients that disconnect mid-stream (read two chunks, close the connection);
 
 and at 1/4 of the run kills one LLMServer replica, at 1/2 the KV index actor (for good: the

@@ -24,3 +24,15 @@ def test_agent_swarm_small():
     assert all(t["answer"] and t["completion_tokens"] >= 1 for log in out["logs"] for t in log)
     # every turn after the first resends the conversation: most of it comes from the cache
     assert s["cached_fraction_after_first_turn"] > 0.5, s
+
+
+def test_the_tool_agents_tools():
+    """The tools the --tools agents run themselves: arithmetic only, glossary terms, errors as results."""
+    assert agent_swarm.run_tool("calculator", '{"expression": "17 * 23 + 4"}') == "395"
+    assert agent_swarm.run_tool("calculator", '{"expression": "3 * 60 ** 2"}') == "10800"
+    assert agent_swarm.calculator("__import__('os')").startswith("error: not arithmetic")
+    assert agent_swarm.calculator("2 ** 100000") == "error: exponent too large"
+    assert agent_swarm.calculator("1 / 0").startswith("error")
+    assert agent_swarm.run_tool("lookup", '{"term": "FP4"}').startswith("4-bit")
+    assert agent_swarm.run_tool("lookup", "{}").startswith("error: bad arguments")
+    assert agent_swarm.run_tool("search", "{}") == "error: no tool named 'search'"

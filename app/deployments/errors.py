@@ -68,7 +68,7 @@ def bad_request_from(errors: list[dict]) -> BadRequestError:
     err = errors[0]
     loc = list(err.get("loc", ()))
     field = getattr((err.get("ctx") or {}).get("error"), "field", None)  # a model validator's FieldError
-    param = field or dotted(loc) or None
+    param = ".".join(p for p in (dotted(loc), field) if p) or None
     kind = err.get("type")
     message = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
     if not loc and kind in ("model_type", "model_attributes_type", "dict_type"):

@@ -13,8 +13,18 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from app.deployments.protocol_tools import (
+    ChatCompletionTool,
+    DeltaToolCall,
+    HistoryToolCall,
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputsParams,
+    ToolCall,
+    ToolChoice,
+)
 from app.engine.sampling_params import MAX_N
 
 # -- errors --------------------------------------------------------------------------------------
@@ -138,6 +148,15 @@ class _SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, description="Not supported; must be 0.")
     frequency_penalty: float = Field(0.0, description="Not supported; must be 0.")
     logit_bias: dict[str, float] | None = Field(None, description="Not supported; must be absent.")
+    # Output constraints (at most one per request; structured.py maps them to the grammar engine)
+    response_format: ResponseFormat | None = Field(None, description="text, json_object, or json_schema with "
+                                                   "a schema the output follows.")
+    structured_outputs: StructuredOutputsParams | None = Field(None, description="vLLM's extension: one of "
+                                                               "json, regex, choice, grammar, json_object.")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older name of structured_outputs.json.")
+    guided_regex: str | None = Field(None, description="vLLM's older name of structured_outputs.regex.")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older name of structured_outputs.choice.")
+    guided_grammar: str | None = Field(None, description="vLLM's older name of structured_outputs.grammar.")
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -154,7 +173,8 @@ class _SamplingFields(BaseModel):
 
 
 class FieldError(ValueError):
-    """A model-level validation error that names its field (see ingress._validation_param)."""
+    """A model-level validation error that names its field, relative to the model that raises it
+    (errors.bad_request_from puts the model's location in front: messages[2].tool_call_id)."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
@@ -210,6 +230,18 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[HistoryToolCall] | None = Field(None, description="An assistant message's calls (its "
+                                                     "content may be null).")
+    tool_call_id: str | None = Field(None, description="A tool message: the id of the call it answers.")
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.role == "tool" and not self.tool_call_id:
+            raise FieldError("tool_call_id", "a tool message needs tool_call_id: the id of the assistant's call "
+                             "it answers")
+        if self.tool_calls and self.role != "assistant":  # (some clients send [] on every message)
+            raise FieldError("tool_calls", f"only assistant messages carry tool_calls (this one is {self.role!r})")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -240,6 +272,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, description="Deprecated name of max_completion_tokens (which wins).")
     logprobs: bool = Field(False, description="Return the sampled tokens' log-probabilities.")
     top_logprobs: int | None = Field(None, description="Alternatives per token (0-20); needs logprobs.")
+    tools: list[ChatCompletionTool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools), required, or "
+                                           '{"type": "function", "function": {"name": ...}}.')
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per message.")
 
     @field_validator("messages")
     @classmethod
@@ -254,14 +290,49 @@ class ChatCompletionRequest(_SamplingFields):
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return self
 
+    @model_validator(mode="after")
+    def _tools_consistent(self):
+        names: dict[str, int] = {}
+        for i, tool in enumerate(self.tools or ()):
+            name = tool.function.name
+            if name in names:
+                raise FieldError(f"tools[{i}].function.name", f"tools[{names[name]}] and tools[{i}] are both named "
+                                 f"{name!r}; give each tool its own name")
+            names[name] = i
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise FieldError("tool_choice", f"tool_choice {_short(_choice_text(choice))} needs tools; send the "
+                             "functions in tools, or leave tool_choice out")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError("tool_choice", f"tool_choice names the function {choice.function.name!r}, which is not "
+                             f"among the tools ({', '.join(map(repr, names))})")
+        return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" with tools, "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
     def template_messages(self) -> list[dict]:
+        """The messages as chat templates take them (Hugging Face's shape): text content; an
+        assistant's tool_calls with their arguments parsed; a tool message's tool_call_id."""
         out = []
         for m in self.messages:
             d = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 d["name"] = m.name
+            if m.tool_calls is not None:
+                d["tool_calls"] = [call.template_dict() for call in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             out.append(d)
         return out
+
+
+def _choice_text(choice) -> str:
+    return choice if isinstance(choice, str) else f"{{function: {choice.function.name}}}"
 
 
 def _is_int(x: object) -> bool:
@@ -353,7 +424,15 @@ class ChatChoiceLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the message is tool calls only
+    tool_calls: list[ToolCall] | None = None  # left out of the JSON when None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_tool_calls(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionChoice(BaseModel):
@@ -372,6 +451,14 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None  # left out of the JSON when None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_tool_calls(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionStreamChoice(BaseModel):

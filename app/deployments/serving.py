@@ -1,10 +1,12 @@
 """The OpenAI operations behind both APIs: `completions`, `chat` and `models` of OpenAIServing.
 
-Per request: validate (pydantic, protocol.py), apply the chat template, tokenize, hash the
+Per request: validate (pydantic, protocol.py), map the output constraint (response_format,
+structured_outputs, guided_*, tool_choice: structured.py) and have the engine check it, apply the
+chat template (with the tools: tool_prompt.py), tokenize, hash the
 prompt's full blocks (the KV-aware router reads them), take the session id (the caller's, else
 the `user` field), stream from an LLMServer replica and build the OpenAI responses. `completions`
 and `chat` are async generators: a non-streaming request yields one response, a streaming one its
-chunks. Refusals are OpenAIErrors. Stopping an iteration early (a client that goes away) cancels
+chunks; with tools, the output is parsed for calls (tool_calls.py). Refusals are OpenAIErrors. Stopping an iteration early (a client that goes away) cancels
 the LLMServer stream, so the engine aborts the request and frees its KV blocks.
 
 No HTTP here: OpenAIIngress (ingress.py) is this class plus the FastAPI routes, and tests can run
@@ -24,6 +26,12 @@ from app.config import ServerConfig
 from app.deployments.errors import parse_request, to_openai_error
 from app.serving_types import GenerateRequest, ModelInfo
 from app.deployments.metrics import IngressMetrics
+from app.deployments.structured import Constraint, request_constraint, structured_outputs
+from app.deployments.tool_calls import (ToolCallStream, finish_reason, max_calls, parses_tools,
+                                        response_message)
+from app.deployments.tool_formats import pick_format
+from app.deployments.tool_parsers import make_parser
+from app.deployments.tool_prompt import template_inputs
 from app.deployments.protocol import (
     BadRequestError,
     ChatChoiceLogprobs,
@@ -67,6 +75,8 @@ class OpenAIServing:
         self.llm_server = llm_server
         self.model_id = config.served_model_id
         self.tokenizer = resolve_tokenizer(config.engine, load_model_config(config.engine.model).vocab_size)
+        self.tool_format = pick_format(config.tool_call_parser, self.tokenizer.chat_template,
+                                       self.tokenizer.template_takes_tools)
         self.metrics = IngressMetrics()
         self._info: ModelInfo | None = None
 
@@ -92,11 +102,13 @@ class OpenAIServing:
     async def _completions(self, request, session_id):
         request = parse_request(CompletionRequest, request)
         self._check_model(request.model)
+        constraint = request_constraint(request)
         text = request.prompt if isinstance(request.prompt, str) else None
         prompt_ids = self.tokenizer.encode(text) if text is not None else list(request.prompt)
         fields: dict[str, str] = {}
         params = sampling_params(request, request.max_tokens, request.logprobs, fields,
-                                 prompt_logprobs=request.logprobs if request.echo else None)
+                                 prompt_logprobs=request.logprobs if request.echo else None,
+                                 structured_outputs=await _checked(constraint))
         async for item in self._respond(COMPLETIONS, request, prompt_ids, params, session_id, fields, text):
             yield item
 
@@ -136,8 +148,10 @@ class OpenAIServing:
     async def _chat(self, request, session_id):
         request = parse_request(ChatCompletionRequest, request)
         self._check_model(request.model)
+        constraint = request_constraint(request, self.tool_format)
+        messages, tools = template_inputs(request, self.tool_format, self.tokenizer.template_takes_tools)
         try:
-            text = self.tokenizer.apply_chat_template(request.template_messages(), add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         except ChatTemplateError as e:
             raise BadRequestError(str(e), param="messages") from None
         bos = self.tokenizer.bos_token
@@ -151,11 +165,16 @@ class OpenAIServing:
         else:  # as vLLM: what the context leaves (the engine refuses a prompt that leaves nothing)
             max_tokens = max(1, (await self._model_info()).max_model_len - len(prompt_ids))
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = sampling_params(request, max_tokens, num_logprobs, fields)
+        params = sampling_params(request, max_tokens, num_logprobs, fields,
+                                 structured_outputs=await _checked(constraint))
         async for item in self._respond(CHAT, request, prompt_ids, params, session_id, fields, text):
             yield item
 
     async def _chat_items(self, request: ChatCompletionRequest, rid: str, outputs):
+        if parses_tools(request):
+            async for item in self._tool_chat_items(request, rid, outputs):
+                yield item
+            return
         if not request.stream:
             finals = await final_outputs(outputs, request.n)
             yield ChatCompletionResponse(id=rid, model=self.model_id, usage=_usage(finals), choices=[
@@ -177,6 +196,42 @@ class OpenAIServing:
                 yield ChatCompletionStreamResponse(id=rid, model=self.model_id, choices=[
                     ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=out.delta_text), logprobs=logprobs,
                                                finish_reason=out.finish_reason)])
+            if out.finished:
+                finals[i] = out
+                if len(finals) == request.n and request.include_usage:
+                    yield ChatCompletionStreamResponse(id=rid, model=self.model_id, choices=[],
+                                                       usage=_usage(list(finals.values())))
+
+    async def _tool_chat_items(self, request: ChatCompletionRequest, rid: str, outputs):
+        """_chat_items of a request whose output is parsed for tool calls (tool_calls.py)."""
+        limit = max_calls(request)
+        if not request.stream:
+            finals = await final_outputs(outputs, request.n)
+            choices = []
+            for f in finals:
+                message = response_message(make_parser(self.tool_format.name), f.text, limit)
+                choices.append(ChatCompletionChoice(
+                    index=f.index, message=message, finish_reason=finish_reason(f.finish_reason, len(message.tool_calls or ())),
+                    logprobs=self._chat_logprobs(f.token_ids, f.logprobs, f.top_logprobs)))
+            yield ChatCompletionResponse(id=rid, model=self.model_id, usage=_usage(finals), choices=choices)
+            return
+        streams: dict[int, ToolCallStream] = {}
+        finals: dict[int, RequestOutput] = {}
+        async for out in outputs:
+            i = out.index
+            if i not in streams:  # each choice's role first, as OpenAI sends it
+                streams[i] = ToolCallStream(make_parser(self.tool_format.name), limit)
+                yield ChatCompletionStreamResponse(id=rid, model=self.model_id, choices=[
+                    ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            deltas = streams[i].deltas(out.delta_text, out.finished)
+            logprobs = self._chat_logprobs(out.delta_token_ids, out.delta_logprobs, out.delta_top_logprobs)
+            if not deltas and (logprobs is not None or out.finished):
+                deltas = [DeltaMessage()]
+            for k, delta in enumerate(deltas):
+                last = k == len(deltas) - 1
+                yield ChatCompletionStreamResponse(id=rid, model=self.model_id, choices=[ChatCompletionStreamChoice(
+                    index=i, delta=delta, logprobs=logprobs if k == 0 else None,
+                    finish_reason=finish_reason(out.finish_reason, streams[i].num_calls) if last else None)])
             if out.finished:
                 finals[i] = out
                 if len(finals) == request.n and request.include_usage:
@@ -341,9 +396,18 @@ class OpenAIServing:
         return ChatChoiceLogprobs(content=content)
 
 
+async def _checked(constraint: Constraint | None):
+    """The engine's StructuredOutputs for the request's constraint, checked off the event loop (a
+    schema that is slow to check delays only its own request); None when unconstrained."""
+    if constraint is None:
+        return None
+    return await asyncio.to_thread(structured_outputs, constraint)
+
+
 def sampling_params(request, max_tokens: int, logprobs: int | None, fields: dict[str, str],
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """The request's SamplingParams (OpenAI's defaults); a bad value -> BadRequestError naming it."""
+                    prompt_logprobs: int | None = None, structured_outputs=None) -> SamplingParams:
+    """The request's SamplingParams (OpenAI's defaults); a bad value -> BadRequestError naming it.
+    `structured_outputs`: the engine's StructuredOutputs (None: unconstrained)."""
     try:
         return SamplingParams(
             prompt_logprobs=prompt_logprobs,
@@ -356,6 +420,7 @@ def sampling_params(request, max_tokens: int, logprobs: int | None, fields: dict
             stop=request.stop,
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
+            structured_outputs=structured_outputs,
         )
     except InvalidRequestError as e:
         raise to_openai_error(e, fields, retry_after_s=0) from None

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 if TYPE_CHECKING:
@@ -55,10 +56,16 @@ class Tokenizer(ABC):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of token_ids; invalid UTF-8 becomes U+FFFD."""
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a chat. Encode it with add_special_tokens=False if it already has BOS."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text for a chat. Encode it with add_special_tokens=False if it already has BOS.
+        `tools` and the messages' `tool_calls` / `tool_call_id` as Hugging Face passes them."""
         return render_chat_template(self.chat_template, messages, add_generation_prompt,
-                                    bos_token=self.bos_token, eos_token=self.eos_token)
+                                    bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
+
+    @property
+    def template_takes_tools(self) -> bool:
+        return template_takes_tools(self.chat_template)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,12 +95,23 @@ def _compile_chat_template(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
+@lru_cache(maxsize=16)
+def template_takes_tools(template: str) -> bool:
+    """Whether a chat template reads the `tools` variable (a template without tool support never
+    does). A template that does not parse takes none."""
+    try:
+        env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(template))
+    except jinja2.TemplateError:
+        return False
+
+
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
-                         bos_token: str = "", eos_token: str = "") -> str:
+                         bos_token: str = "", eos_token: str = "", tools: list[dict] | None = None) -> str:
     try:
         compiled = _compile_chat_template(template)
         return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=bos_token, eos_token=eos_token, tools=None,
+                               bos_token=bos_token, eos_token=eos_token, tools=tools,
                                documents=None)
     except ChatTemplateError:
         raise
