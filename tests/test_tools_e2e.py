@@ -1,11 +1,5 @@
 """Tool calling and structured outputs with the engine's grammar-constrained decoding, end to end.
 
-Needs what branch issue46-engine brings (app/engine/structured_outputs.py: StructuredOutputs,
-check_structured_outputs, StructuredOutputsError; SamplingParams(structured_outputs=...); the
-native engine applying the grammar on the CPU and finishing a request with "stop" when its grammar
-ends; GrammarCompiler.compile_structural_tag taking xgrammar's `{"type": "structural_tag",
-"format": ...}` JSON as the ingress writes it): skipped until then.
-
 - each request field reaches the engine as its StructuredOutputs (the handle API's operations on a
   scripted replica);
 - what the engine's check refuses (a schema, regex or grammar it cannot compile) is a 400 naming
@@ -18,7 +12,8 @@ ends; GrammarCompiler.compile_structural_tag taking xgrammar's `{"type": "struct
 - the tiny model (random weights: it may spend max_tokens on the whitespace JSON allows): whatever
   it finishes follows its constraint, and every call it completes validates;
 - the `openai` client's `.parse` (a pydantic response_format, strict pydantic function tools)
-  against `serve run serve_config.yaml`.
+  against `serve run serve_config.yaml`;
+- examples/agent_swarm.py --tools against the module's SmolLM2 application.
 """
 
 import asyncio
@@ -31,14 +26,12 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-pytest.importorskip("app.engine.structured_outputs", reason="needs the engine's structured outputs (issue46-engine)")
-
-from app.deployments.protocol import BadRequestError  # noqa: E402
-from app.deployments.serving import OpenAIServing  # noqa: E402
-from app.engine.structured_outputs import StructuredOutputs  # noqa: E402
-from bench.servers import serve_run  # noqa: E402
-from serve_testing import local_serve, run_apps  # noqa: E402
-from tools_testing import ScriptedLLMServer  # noqa: E402
+from app.deployments.protocol import BadRequestError
+from app.deployments.serving import OpenAIServing
+from app.engine.structured_outputs import StructuredOutputs
+from bench.servers import serve_run
+from serve_testing import local_serve, run_apps
+from tools_testing import ScriptedLLMServer
 
 TINY = "tiny-llama"
 SMOL = "smollm2-135m-instruct"
