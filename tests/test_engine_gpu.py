@@ -16,7 +16,7 @@ import torch
 from app import LLM, SamplingParams
 from app.engine.loader import load_model
 from app.engine.model_source import DUMMY_MODELS
-from app.engine.models.llama import LlamaConfig
+from app.engine.models.config import ModelConfig
 from app.engine.model_runner import graph_batch_sizes
 from app.engine.widen import copy_widened, widen_config
 from app.kernels import decode_fp4_gluon, paged
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or paged.interpret
                                 reason="needs CUDA (and TRITON_INTERPRET unset)")
 
 SHAPES = {
-    "small": LlamaConfig(vocab_size=1, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
+    "small": ModelConfig(vocab_size=1, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
                          num_attention_heads=16, num_key_value_heads=8, head_dim=128),
     "8B": dataclasses.replace(DUMMY_MODELS["llama-3.1-8b"]),
 }

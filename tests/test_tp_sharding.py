@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from app import LLM, SamplingParams
 from app.engine.engine import LLMEngine
 from app.engine.loader import load_model
-from app.engine.models.llama import shard_dim
+from app.engine.models.decoder import shard_dim
 from app.engine.placement import placement_bundles
 
 from conftest import STORIES_MODEL
