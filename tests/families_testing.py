@@ -81,6 +81,18 @@ def half_to_interleaved(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def byte_level_vocab(vocab_size: int) -> tuple[list[str], list[str]]:
+    """(tokens, merges) of a small byte-level BPE: the 256 byte symbols (GPT-2's alphabet), a few
+    merges ("12" among them, which tells apart pre-tokenizers that split digits one by one), filler
+    tokens, then the control tokens <|start|> and <|end|> as the last two ids."""
+    byte_symbols = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)] + \
+        [chr(c) for c in range(174, 256)] + [chr(c) for c in range(256, 256 + 68)]
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "e r", "1 2"]
+    tokens = byte_symbols + [m.replace(" ", "") for m in merges]
+    tokens += [f"<|extra_{i}|>" for i in range(vocab_size - len(tokens) - 2)] + ["<|start|>", "<|end|>"]
+    return tokens, merges
+
+
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # llama.cpp's
 
 
@@ -105,11 +117,7 @@ def write_gguf(path: Path, hf, config: ModelConfig) -> None:
     w.add_rope_freq_base(config.rope_theta)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
-    byte_symbols = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)] + \
-        [chr(c) for c in range(174, 256)] + [chr(c) for c in range(256, 256 + 68)]
-    merges = ["Ġ t", "h e", "Ġt he", "i n", "e r"]
-    tokens = byte_symbols + [m.replace(" ", "") for m in merges]
-    tokens += [f"<|extra_{i}|>" for i in range(config.vocab_size - len(tokens) - 2)] + ["<|start|>", "<|end|>"]
+    tokens, merges = byte_level_vocab(config.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "llama-bpe")
     w.add_token_list(tokens)
