@@ -51,6 +51,16 @@ class _Counted:
         self.graph.replay()
 
 
+def _count_replays(runner, eager: bool) -> dict:
+    """The runner's decode graphs (none when eager), each wrapped to count its replays: size -> _Counted."""
+    assert bool(runner.graphs) != eager, runner.graphs_disabled_reason
+    counted = {}
+    for size, (graph, logits) in list(runner.graphs.items()):
+        counted[size] = _Counted(graph)
+        runner.graphs[size] = (counted[size], logits)
+    return counted
+
+
 def _run(llm, prompts, params, abort_at):
     """Step to completion; abort request abort_at[k] after step k. Outputs by request id."""
     engine = llm.engine
@@ -99,11 +109,7 @@ def test_graph_replay_equals_eager(stories_paths, tmp_path, shape, kv_cache_dtyp
     for eager in (True, False):
         llm = _widened(stories_paths, tmp_path, shape, enforce_eager=eager, **kw)
         runner = llm.engine.executor.runner
-        assert bool(runner.graphs) != eager, runner.graphs_disabled_reason
-        counted = {}
-        for size, (graph, logits) in list(runner.graphs.items()):
-            counted[size] = _Counted(graph)
-            runner.graphs[size] = (counted[size], logits)
+        counted = _count_replays(runner, eager)
         results[eager] = _run(llm, prompts, params, abort_at)
         assert llm.engine.scheduler.num_preemptions_total > 0
         assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_kv_blocks
@@ -168,11 +174,7 @@ def test_graph_replay_equals_eager_for_each_family(stories_paths, tmp_path, fami
         copy_widened(small, model)
         _as_family(model, family)
         runner = llm.engine.executor.runner
-        assert bool(runner.graphs) != eager, runner.graphs_disabled_reason
-        counted = {}
-        for size, (graph, logits) in list(runner.graphs.items()):
-            counted[size] = _Counted(graph)
-            runner.graphs[size] = (counted[size], logits)
+        counted = _count_replays(runner, eager)
         results[eager] = llm.generate(prompts, params)
         if not eager:
             assert any(c.replays for c in counted.values())
