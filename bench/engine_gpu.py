@@ -3,6 +3,8 @@
     python3 bench/engine_gpu.py --json $OUT/engine_gpu.json        # everything (may pass 10 minutes), or:
     python3 bench/engine_gpu.py --sections throughput,hf --json $OUT/engine_gpu_thr.json
     python3 bench/engine_gpu.py --sections capacity,steps --json $OUT/engine_gpu_cap.json
+    # other families' 8B-class shapes (dummy weights; app/engine/model_source.py DUMMY_MODELS):
+    python3 bench/engine_gpu.py --model qwen3-8b --json $OUT/engine_gpu_qwen3.json    # or qwen2.5-7b, mistral-7b
     # CPU smoke (tiny sizes):
     python3 bench/engine_gpu.py --model tiny-llama --device cpu --shapes 4x64,8x32 --output-len 8 \
         --hf-shapes 4x64 --capacity-requests 8 --capacity-prompt-len 64 --capacity-output-len 8 \
@@ -19,7 +21,8 @@ Sections (--sections, run in this order):
    roofline decode tok/s = requests / t_step with t_step = (weight bytes
    without the input embedding + requests*(prompt+N/2)*kv_bytes_per_token) / copy bandwidth (a 2 GiB
    device-to-device copy, read + written, measured at start; null on CPU); ratios fp8/fp4 vs bf16.
-2. hf: transformers LlamaForCausalLM.generate (random weights, bf16; float32 on CPU), greedy,
+2. hf: transformers' model of the family (LlamaForCausalLM, Qwen3ForCausalLM, ...).generate (random
+   weights, bf16; float32 on CPU), greedy,
    max_new_tokens=1 then N (min_new_tokens=N), next to our bf16 row of the same shape.
 3. capacity: fixed KV budget, all requests submitted at once: peak running sequences, wall time,
    output tok/s, decode-phase tok/s (sum(out-1) / time of decode-only steps), TTFT/ITL percentiles.
@@ -48,6 +51,7 @@ from app import LLM, SamplingParams  # noqa: E402
 from app.config import EngineConfig  # noqa: E402
 from app.engine.model_source import resolve_tokenizer  # noqa: E402
 from app.engine.model_source import load_model_config  # noqa: E402
+from app.engine.models.config import FAMILIES  # noqa: E402
 
 SECTIONS = ("throughput", "hf", "capacity", "steps")
 STEP_KEYS = ("schedule_s", "prepare_s", "forward_s", "sample_s", "output_s", "total_s")
@@ -255,7 +259,8 @@ def run_hf(args, R: dict) -> None:
     torch.set_default_dtype(dtype)  # allocate in the target dtype, directly on the device
     try:
         with torch.device(args.device):
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**mc.to_hf()))
+            hf_class = getattr(transformers, FAMILIES[mc.family].hf_architecture)  # the model's family
+            model = hf_class(hf_class.config_class(**mc.to_hf()))
     finally:
         torch.set_default_dtype(prev)
     model.to(dtype).eval()

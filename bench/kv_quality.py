@@ -33,7 +33,7 @@ from app import LLM, SamplingParams
 from app.config import FP4Config
 from app.engine.attention import AttentionMetadata
 from app.engine.kv_cache import DenseKVCache, KVCacheSpec, kv_bytes_per_token
-from app.engine.models.llama import apply_rope, rope_cos_sin
+from app.engine.models.decoder import apply_rope, rope_cos_sin
 from app.kernels import fp4, fp8
 from app.kernels.attention_ref import causal_attention_ref
 

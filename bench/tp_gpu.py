@@ -59,11 +59,11 @@ def widened_dir(stories: Path, out: Path) -> Path:
     from safetensors.torch import save_file
 
     from app.engine.loader import load_model
-    from app.engine.models.llama import LlamaConfig
+    from app.engine.models.config import ModelConfig
     from app.engine.widen import copy_widened, widen_config
 
     small, small_config = load_model(str(stories / "stories260K.bin"))
-    shape = LlamaConfig(vocab_size=1, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
+    shape = ModelConfig(vocab_size=1, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
                         num_attention_heads=16, num_key_value_heads=8, head_dim=128)
     config = widen_config(small_config, shape)
     (out / "config.json").write_text(json.dumps(config.to_hf()))

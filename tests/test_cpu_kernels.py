@@ -210,7 +210,7 @@ def test_padded_projection_keeps_tokens_apart(k):
     the result is the unpadded product's, and a NaN in one token's row stays in that row."""
     import torch.nn.functional as F
 
-    from app.engine.models.llama import linear
+    from app.engine.models.decoder import linear
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, k, generator=gen).bfloat16()

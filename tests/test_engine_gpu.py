@@ -16,7 +16,7 @@ import torch
 from app import LLM, SamplingParams
 from app.engine.loader import load_model
 from app.engine.model_source import DUMMY_MODELS
-from app.engine.models.llama import LlamaConfig
+from app.engine.models.config import ModelConfig
 from app.engine.model_runner import graph_batch_sizes
 from app.engine.widen import copy_widened, widen_config
 from app.kernels import decode_fp4_gluon, paged
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or paged.interpret
                                 reason="needs CUDA (and TRITON_INTERPRET unset)")
 
 SHAPES = {
-    "small": LlamaConfig(vocab_size=1, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
+    "small": ModelConfig(vocab_size=1, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
                          num_attention_heads=16, num_key_value_heads=8, head_dim=128),
     "8B": dataclasses.replace(DUMMY_MODELS["llama-3.1-8b"]),
 }
@@ -49,6 +49,16 @@ class _Counted:
     def replay(self):
         self.replays += 1
         self.graph.replay()
+
+
+def _count_replays(runner, eager: bool) -> dict:
+    """The runner's decode graphs (none when eager), each wrapped to count its replays: size -> _Counted."""
+    assert bool(runner.graphs) != eager, runner.graphs_disabled_reason
+    counted = {}
+    for size, (graph, logits) in list(runner.graphs.items()):
+        counted[size] = _Counted(graph)
+        runner.graphs[size] = (counted[size], logits)
+    return counted
 
 
 def _run(llm, prompts, params, abort_at):
@@ -99,11 +109,7 @@ def test_graph_replay_equals_eager(stories_paths, tmp_path, shape, kv_cache_dtyp
     for eager in (True, False):
         llm = _widened(stories_paths, tmp_path, shape, enforce_eager=eager, **kw)
         runner = llm.engine.executor.runner
-        assert bool(runner.graphs) != eager, runner.graphs_disabled_reason
-        counted = {}
-        for size, (graph, logits) in list(runner.graphs.items()):
-            counted[size] = _Counted(graph)
-            runner.graphs[size] = (counted[size], logits)
+        counted = _count_replays(runner, eager)
         results[eager] = _run(llm, prompts, params, abort_at)
         assert llm.engine.scheduler.num_preemptions_total > 0
         assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_kv_blocks
@@ -115,6 +121,70 @@ def test_graph_replay_equals_eager(stories_paths, tmp_path, shape, kv_cache_dtyp
     assert results[True] == results[False]
     if kv_cache_dtype.startswith("fp4"):  # head_dim 128: the Gluon kernel decoded, KG8 exactly for fp4-kg8
         assert kg8_launched and set(kg8_launched) == {kv_cache_dtype == "fp4-kg8"}, set(kg8_launched)
+
+
+@torch.no_grad()
+def _as_family(model, family: str) -> None:
+    """Give the widened model (zero heads beyond stories260K's) its family's extra weights.
+
+    qwen2: random q/k/v biases on the heads the small model does not use (query heads whose o_proj
+    columns are zero, KV heads only they read): they flow through RoPE, the cache and attention but
+    not into the output, so the model still computes stories260K. qwen3: q/k norm weights 1 (the copy
+    zeroed them); this changes the function (each head normalized), so its margins are not the trained
+    model's."""
+    c = model.config
+    D, G = c.head_dim, c.num_attention_heads // c.num_key_value_heads
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if family == "qwen2":
+            o = attn.o_proj.weight.view(c.hidden_size, c.num_attention_heads, D)
+            idle_q = [h for h in range(c.num_attention_heads) if not o[:, h].any()]
+            idle_kv = [k for k in range(c.num_key_value_heads) if all(k * G + i in idle_q for i in range(G))]
+            assert idle_q and idle_kv
+            for proj, heads in ((attn.q_proj, idle_q), (attn.k_proj, idle_kv), (attn.v_proj, idle_kv)):
+                for h in heads:
+                    proj.bias[h * D:(h + 1) * D] = torch.randn(D, device="cuda", generator=gen).to(proj.bias.dtype)
+        elif family == "qwen3":
+            attn.q_norm.weight.fill_(1.0)
+            attn.k_norm.weight.fill_(1.0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp4"])
+def test_graph_replay_equals_eager_for_each_family(stories_paths, tmp_path, family, kv_cache_dtype):
+    """Each family's layers (Qwen2's biased fused projection, Qwen3's per-head q/k RMSNorm kernel
+    before RoPE) captured in decode graphs give the eager path's greedy tokens: exactly where the model
+    still computes stories260K (llama, mistral, qwen2); for qwen3, whose normalized heads have no trained
+    margins, two runs part, if at all, only at a near-tie (each run's token the other's second choice)."""
+    rng = random.Random(4)
+    prompts = [rng.choice(WORDS) + " " + rng.choice(WORDS) for _ in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    shape = dataclasses.replace(SHAPES["small"], family=family)
+    model_path, tokenizer = stories_paths
+    small, small_config = load_model(model_path)
+    (tmp_path / "config.json").write_text(json.dumps(widen_config(small_config, shape).to_hf()))
+    results = {}
+    for eager in (True, False):
+        llm = LLM(model=str(tmp_path), load_format="dummy", tokenizer=tokenizer, device="cuda", dtype="bfloat16",
+                  kv_cache_dtype=kv_cache_dtype, max_num_seqs=16, num_kv_blocks=256, max_model_len=256,
+                  enforce_eager=eager, async_scheduling=False)
+        model = llm.engine.model
+        assert model.config.family == family and model.model.layers[0].self_attn.use_kernels
+        copy_widened(small, model)
+        _as_family(model, family)
+        runner = llm.engine.executor.runner
+        counted = _count_replays(runner, eager)
+        results[eager] = llm.generate(prompts, params)
+        if not eager:
+            assert any(c.replays for c in counted.values())
+        del llm, runner, model
+        torch.cuda.empty_cache()
+    if family == "qwen3":
+        for x, y in zip(results[True], results[False]):
+            _assert_parts_at_near_tie(x, y)
+    else:
+        assert [o.token_ids for o in results[True]] == [o.token_ids for o in results[False]]
 
 
 def test_nonfinite_kv_fails_one_request_on_gpu(stories_paths, tmp_path):

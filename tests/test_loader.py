@@ -17,14 +17,15 @@ from app.engine.attention import AttentionMetadata
 from app.engine.kv_cache import KVCacheSpec, create_kv_cache
 from app.engine.loader import load_model
 from app.engine.model_source import DUMMY_MODELS
-from app.engine.models.llama import LlamaConfig, LlamaForCausalLM
+from app.engine.models.config import ModelConfig
+from app.engine.models.decoder import CausalLM
 
 ATOL, RTOL = 1e-4, 1e-4  # fp32 model vs fp32 (HF) or fp64 (numpy) reference
 STORIES_BIN = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K" / "stories260K.bin"
 
 
 @torch.no_grad()
-def our_logits(model: LlamaForCausalLM, tokens: list[int], block_size: int = 4) -> torch.Tensor:
+def our_logits(model: CausalLM, tokens: list[int], block_size: int = 4) -> torch.Tensor:
     """One-sequence prefill over a paged fp32 cache with blocks in reverse order: [len, vocab]."""
     c, n = model.config, len(tokens)
     num_blocks = math.ceil(n / block_size)
@@ -38,7 +39,7 @@ def our_logits(model: LlamaForCausalLM, tokens: list[int], block_size: int = 4) 
 
 
 def random_hf_model(tie: bool) -> transformers.LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=150, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    config = ModelConfig(vocab_size=150, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
@@ -60,7 +61,7 @@ def test_hf_sharded_safetensors_directory(tmp_path: Path, tie: bool) -> None:
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("*.safetensors"))) > 2
     model, config = load_model(str(tmp_path))
-    assert config.tie_word_embeddings == tie and config == LlamaConfig.from_hf(hf.config.to_dict())
+    assert config.tie_word_embeddings == tie and config == ModelConfig.from_hf(hf.config.to_dict())
     tokens = [1, 17, 99, 4, 23, 142, 8, 61, 5, 77, 31]
     with torch.no_grad():
         expected = hf(torch.tensor([tokens])).logits[0]

@@ -1,5 +1,5 @@
 """TP=2 on CPU (gloo; two Ray actors, or two worker processes of the mp executor) against TP=1: same greedy tokens, same seeded samples,
-logprobs within float32 noise, on the dummy model and on stories260K, through chunked prefill,
+logprobs within float32 noise, on the dummy model, stories260K and a model of each family, through chunked prefill,
 prefix-cache hits and preemption. Plus: the KV heads are split (each rank holds half the bytes
 per token), workers follow the caller's placement group, and a dead worker is an engine error.
 """
@@ -17,6 +17,7 @@ from app import LLM, SamplingParams
 from app.engine.errors import EngineDeadError
 from app.engine.placement import PLACEMENT_STRATEGY, placement_bundles
 
+from families_testing import FAMILY_NAMES, save_hf_dir, tiny_config
 from tp_testing import ReplicaStandIn, run_in_placement_group
 
 STORY = ("Once upon a time, there was a little boy named Tim. Tim had a big red ball. He liked to play with his "
@@ -91,6 +92,25 @@ def test_tp2_matches_tp1(stories_paths, backend, model, kv):
     if backend == "ray":
         assert all(i["gpu_ids"] == [] for i in info)
         assert len({i["node_id"] for i in info}) == 1 and [i["bundle_index"] for i in info] == [0, 1]
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_tp2_matches_tp1_for_each_family(tmp_path, family):
+    """Each family's model (a transformers save_pretrained directory) under TP=2 (mp executor): the
+    TP=1 tokens and logprobs through chunked prefill and a prefix hit. Qwen2's q/k/v biases are split
+    with their rows, Qwen3's q/k norms (per head_dim) replicated."""
+    save_hf_dir(tmp_path, tiny_config(family, tie=family == "qwen2"), seed=3)
+    config = dict(model=str(tmp_path), dtype="float32", kv_cache_dtype="fp32", block_size=4,
+                  max_num_batched_tokens=16, kv_cache_memory="1MiB")
+    tp1 = LLM(**config)
+    expected = run_workload(tp1)
+    tp2 = LLM(tensor_parallel_size=2, distributed_executor_backend="mp", **config)
+    try:
+        got = run_workload(tp2)
+    finally:
+        tp2.engine.shutdown()
+    assert_same_outputs(expected, got, LOGPROB_ATOL["fp32"])
+    assert got[3].num_cached_tokens >= len(tp1.tokenizer.encode(STORY)) - 4
 
 
 @pytest.mark.parametrize("backend", ["ray", "mp"])

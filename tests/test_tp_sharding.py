@@ -16,10 +16,11 @@ from safetensors.torch import save_file
 from app import LLM, SamplingParams
 from app.engine.engine import LLMEngine
 from app.engine.loader import load_model
-from app.engine.models.llama import shard_dim
+from app.engine.models.decoder import shard_dim
 from app.engine.placement import placement_bundles
 
 from conftest import STORIES_MODEL
+from families_testing import save_hf_dir, tiny_config
 
 
 def assert_shards_of(full, path: str, tp_size: int) -> None:
@@ -67,6 +68,22 @@ def test_safetensors_shards_are_slices_of_the_full_model(tmp_path: Path, tie: bo
     (tmp_path / "config.json").write_text(json.dumps(config.to_hf()))
     reloaded, _ = load_model(str(tmp_path))
     assert_shards_of(reloaded, str(tmp_path), 2)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_bias_and_qk_norm_shards(tmp_path: Path, family: str):
+    """Qwen2's q/k/v biases are split with their weights' rows (whole heads); Qwen3's q/k norm weights
+    ([head_dim], the same for every head) are whole on every rank."""
+    save_hf_dir(tmp_path, tiny_config(family))
+    full, _ = load_model(str(tmp_path))
+    assert_shards_of(full, str(tmp_path), 2)
+    names = dict(full.named_parameters())
+    if family == "qwen2":
+        assert shard_dim("model.layers.0.self_attn.k_proj.bias") == 0
+        assert names["model.layers.0.self_attn.k_proj.bias"].shape == (2 * 16,)
+    else:
+        assert shard_dim("model.layers.0.self_attn.q_norm.weight") is None
+        assert names["model.layers.0.self_attn.k_norm.weight"].shape == (32,)
 
 
 def test_tp_must_divide_the_kv_heads():

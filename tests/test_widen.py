@@ -7,12 +7,12 @@ import pytest
 
 from app import LLM, SamplingParams
 from app.engine.loader import load_model
-from app.engine.models.llama import LlamaConfig
+from app.engine.models.config import ModelConfig
 from app.engine.widen import copy_widened, head_dims, layer_map, widen_config
 from tests.conftest import STORIES_GREEDY
 
 # head_dim 8 -> 32 (r = 4), 64 -> 256 hidden (RMSNorm x 1/2), GQA 2 -> 4, 5 layers spread over 8
-BIG = LlamaConfig(vocab_size=1, hidden_size=256, intermediate_size=384, num_hidden_layers=8,
+BIG = ModelConfig(vocab_size=1, hidden_size=256, intermediate_size=384, num_hidden_layers=8,
                   num_attention_heads=16, num_key_value_heads=4, head_dim=32)
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bear"]
 

@@ -1,23 +1,28 @@
-"""GGUF files (llama.cpp's format) of Llama-architecture models: metadata, config and tensors.
+"""GGUF files (llama.cpp's format) of the supported families: metadata, config and tensors.
 
-Read with the `gguf` package (llama.cpp's own Python reader): the metadata becomes a LlamaConfig,
+Read with the `gguf` package (llama.cpp's own Python reader): the metadata becomes a ModelConfig,
 each tensor is dequantized (`gguf.quants.dequantize`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
 and the K-quants among others) to float32. The users of a GGUFFile: loader.py copies its tensors
 into the model in its compute dtype, tokenizer.py rebuilds its tokenizer from the metadata with the
 `tokenizers` library. No torch here.
 
 Facts of the format this relies on (llama.cpp's convert_hf_to_gguf.py and gguf-py):
+- general.architecture "llama" (Llama, and Mistral, which llama.cpp converts as "llama"),
+  "qwen2" (Qwen2, Qwen2.5) or "qwen3" (Qwen3 dense); metadata keys are prefixed with it.
 - Tensor names: token_embd, blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm,
-  ffn_gate, ffn_up, ffn_down}, output_norm, output (absent when the embeddings are tied).
-- attn_q / attn_k rows are permuted per head from Hugging Face's rotate-half layout to the
-  interleaved pairs llama.cpp rotates; loading undoes it (the same permutation as llama2.c's).
+  ffn_gate, ffn_up, ffn_down}, output_norm, output (absent when the embeddings are tied); qwen2 adds
+  blk.N.attn_{q,k,v}.bias, qwen3 blk.N.attn_{q,k}_norm.weight.
+- For "llama" only, attn_q / attn_k rows are permuted per head from Hugging Face's rotate-half
+  layout to the interleaved pairs llama.cpp rotates; loading undoes it (the same permutation as
+  llama2.c's). llama.cpp runs qwen2/qwen3 with rotate-half (NEOX) RoPE: their rows are HF's.
 - Dequantized arrays come out as [rows, row length] = Hugging Face's [out, in].
 - tokenizer.ggml.model "gpt2" is byte-level BPE (tokens spelled in GPT-2's byte alphabet, merges
   given); "llama" is SentencePiece BPE (U+2581 for spaces, <0xNN> byte tokens, merges given or
   implied by the scores). token_type 3 is a control (special) token, 4 user-defined, 6 a byte.
 - tokenizer.ggml.pre names the pre-tokenizer split. "smollm" splits digits one by one before
   GPT-2's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM, as SmolLM2's own tokenizer.json does);
-  "llama-bpe"/"llama3" use Llama 3's split regex.
+  "llama-bpe"/"llama3" use Llama 3's split regex, "qwen2" (Qwen2/2.5/3 files) the same with
+  digits split one by one.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.engine.models.llama_config import LlamaConfig
+from app.engine.models.config import ModelConfig
 
 # model names that resolve to a GGUF file installed by a package (never imported: located only)
 MODEL_PACKAGES = {
@@ -39,7 +44,10 @@ _LAYER_TENSORS = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# llama.cpp's architecture -> the family (models/config.py) it loads as; Mistral files say "llama"
+ARCH_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -78,9 +86,12 @@ class GGUFFile:
         except Exception as e:  # truncated, not GGUF, an unknown version
             raise ValueError(f"{self.path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
         self.arch = self.get("general.architecture")
-        if self.arch != "llama":
-            raise ValueError(f"{self.path}: architecture {self.arch!r} is not supported; only 'llama' "
-                             f"(Llama-architecture models such as Llama 2/3, SmolLM2, TinyLlama) is")
+        if self.arch not in ARCH_FAMILIES:
+            raise ValueError(f"{self.path}: architecture {self.arch!r} is not supported; supported: 'llama' "
+                             f"(Llama 2/3, Mistral, SmolLM2, TinyLlama), 'qwen2' (Qwen2, Qwen2.5), "
+                             f"'qwen3' (Qwen3 dense)")
+        # llama.cpp permutes attn_q / attn_k of "llama" files for its interleaved RoPE (module docstring)
+        self.rope_interleaved = self.arch == "llama"
 
     def get(self, key: str, default=None):
         field = self.reader.fields.get(key)
@@ -91,7 +102,7 @@ class GGUFFile:
         return {t.name: t for t in self.reader.tensors}
 
     # -- config --------------------------------------------------------------------------------
-    def config(self) -> LlamaConfig:
+    def config(self) -> ModelConfig:
         a = self.arch
         need = lambda key: self._need(f"{a}.{key}")  # noqa: E731
         hidden, heads = need("embedding_length"), need("attention.head_count")
@@ -114,7 +125,7 @@ class GGUFFile:
         vocab = self.get(f"{a}.vocab_size") or (len(tokens) if tokens else int(self.tensors["token_embd.weight"]
                                                                               .shape[1]))
         eos = self.get("tokenizer.ggml.eos_token_id")
-        return LlamaConfig(
+        return ModelConfig(
             vocab_size=int(vocab), hidden_size=int(hidden), intermediate_size=int(need("feed_forward_length")),
             num_hidden_layers=int(need("block_count")), num_attention_heads=int(heads),
             num_key_value_heads=int(kv_heads), head_dim=int(head_dim),
@@ -122,7 +133,7 @@ class GGUFFile:
             rope_theta=float(self.get(f"{a}.rope.freq_base", 10000.0)), rope_scaling=rope_scaling,
             max_position_embeddings=int(self.get(f"{a}.context_length", 2048)),
             tie_word_embeddings="output.weight" not in self.tensors,
-            bos_token_id=self.get("tokenizer.ggml.bos_token_id"), eos_token_id=eos)
+            bos_token_id=self.get("tokenizer.ggml.bos_token_id"), eos_token_id=eos, family=ARCH_FAMILIES[a])
 
     def _need(self, key: str):
         value = self.get(key)
@@ -146,15 +157,16 @@ class GGUFFile:
 
 
 def hf_weight_name(name: str) -> str | None:
-    """The Hugging Face parameter name of GGUF tensor `name` (None for tensors a Llama has not)."""
+    """The Hugging Face parameter name of GGUF tensor `name` (None for tensors none of the families
+    has; whether this model has it is the loader's check)."""
     base, _, suffix = name.rpartition(".")
-    if suffix != "weight":
+    if suffix not in ("weight", "bias"):
         return None
     if base in _TOP_TENSORS:
-        return f"{_TOP_TENSORS[base]}.weight"
+        return f"{_TOP_TENSORS[base]}.{suffix}"
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.weight"
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
     return None
 
 
@@ -174,5 +186,5 @@ def _open_gguf(path: Path, mtime_ns: int, size: int) -> GGUFFile:
     return GGUFFile(path)
 
 
-def read_gguf_config(path: Path) -> LlamaConfig:
+def read_gguf_config(path: Path) -> ModelConfig:
     return open_gguf(path).config()

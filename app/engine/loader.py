@@ -1,9 +1,11 @@
-"""Build a LlamaForCausalLM from a name, a HF safetensors directory or a llama2.c checkpoint.
+"""Build a model (models/decoder.py, any family of models/config.py) from a name, a HF safetensors
+directory, a GGUF file or a llama2.c checkpoint.
 
 Accepted forms of `model`:
 - a name in DUMMY_MODELS: random weights, no files needed ("tiny-llama" is the embedded default);
-- a directory with config.json: *.safetensors weights (one file, or sharded with
-  model.safetensors.index.json), or random weights with load_format="dummy";
+- a directory with config.json of a supported family: *.safetensors weights (one file, or sharded
+  with model.safetensors.index.json; any float dtype, cast on load), or random weights with
+  load_format="dummy";
 - a path ending in .bin: a llama2.c "v0" checkpoint (e.g. shared/models/stories260K);
 - a path ending in .gguf, or a name in gguf_file.MODEL_PACKAGES (smollm2-135m-instruct): a GGUF
   file, dequantized on load (read by app/engine/gguf_file.py).
@@ -11,7 +13,7 @@ Accepted forms of `model`:
 The model is built on the meta device and materialized directly on `device` in `dtype`, so an
 8B model never exists in fp32 on the CPU.
 
-With tp_size > 1 the module is rank tp_rank's shard (see models/llama.py) and each loader reads
+With tp_size > 1 the module is rank tp_rank's shard (see models/decoder.py) and each loader reads
 only that shard of each weight: a slice of the safetensors entry (safe_open's get_slice) or of the
 memory-mapped llama2.c file. Dummy weights are drawn at the full shape from the same seeded
 generator and then sliced, so every tp_size yields shards of the same full model.
@@ -30,10 +32,11 @@ from safetensors import safe_open
 
 from app.engine.gguf_file import hf_weight_name, open_gguf
 from app.engine.model_source import LLAMA2C_HEADER, model_source
-from app.engine.models.llama import LlamaConfig, LlamaForCausalLM
+from app.engine.models.config import ModelConfig
+from app.engine.models.decoder import CausalLM
 
 LOAD_FORMATS = ("auto", "dummy")
-INIT_STD = 0.02  # linears and embeddings; norms are 1
+INIT_STD = 0.02  # linears, biases and embeddings; norms are 1
 DEVICE_INIT_MIN_PARAMS = 10**9  # above this, random weights are generated on the target device
 
 
@@ -46,7 +49,7 @@ def load_model(
     seed: int = 0,
     tp_rank: int = 0,
     tp_size: int = 1,
-) -> tuple[LlamaForCausalLM, LlamaConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     """The model (eval mode, on `device` in `dtype`), or its shard tp_rank of tp_size, and its
     (full) config; see the module docstring."""
     if load_format not in LOAD_FORMATS:
@@ -55,7 +58,7 @@ def load_model(
     load = {"dummy": None, "safetensors": _load_safetensors_dir, "llama2c": _load_llama2c, "gguf": _load_gguf}[kind]
     device = torch.device(device)
     with torch.device("meta"):
-        module = LlamaForCausalLM(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
+        module = CausalLM(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
     module = module.to_empty(device=device)
     # q/k/v and gate/up as one weight each (their HF names stay, as views the loaders fill); the
     # small per-token ops as fused kernels where they run (CUDA, a power-of-two head_dim)
@@ -71,7 +74,7 @@ def load_model(
     return module.eval(), config
 
 
-def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
+def init_random_weights(model: CausalLM, seed: int) -> None:
     """Normal(0, INIT_STD) linears and embeddings, norms 1, deterministic for a seed.
 
     Each parameter is drawn at its full (unsharded) shape and the model's shard is copied out, so
@@ -98,7 +101,7 @@ def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
             p.copy_(full.normal_(0.0, INIT_STD, generator=gen)[model.shard_slices(name)])
 
 
-def _load_safetensors_dir(model: LlamaForCausalLM, path: Path) -> None:
+def _load_safetensors_dir(model: CausalLM, path: Path) -> None:
     """Stream tensors one by one into the parameters, casting to their dtype and device."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -132,7 +135,7 @@ def check_all_loaded(source: str, params: dict, loaded: set, unexpected: list) -
     """ValueError unless a checkpoint filled every parameter and held nothing else."""
     missing = sorted(set(params) - loaded)
     if missing or unexpected:
-        raise ValueError(f"{source} does not match the Llama config: missing keys {missing}, "
+        raise ValueError(f"{source} does not match the model's config: missing keys {missing}, "
                          f"unexpected keys {sorted(unexpected)}")
 
 
@@ -144,7 +147,7 @@ def interleaved_to_half_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.view(num_heads, out_dim // num_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
-def _load_llama2c(model: LlamaForCausalLM, path: Path) -> None:
+def _load_llama2c(model: CausalLM, path: Path) -> None:
     c = model.config
     dim, hidden, n_layers, vocab = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
     kv_dim, head_dim = c.num_key_value_heads * c.head_dim, c.head_dim
@@ -186,7 +189,7 @@ def _load_llama2c(model: LlamaForCausalLM, path: Path) -> None:
         raise ValueError(f"{path} has {data.size - offset} float32 values beyond the weights its header describes")
 
 
-def _load_gguf(model: LlamaForCausalLM, path: Path) -> None:
+def _load_gguf(model: CausalLM, path: Path) -> None:
     """Every weight of a GGUF file into `model` (or this rank's shard of it), dequantized to float32
     and copied in the model's dtype, with a progress bar on stderr."""
     from tqdm import tqdm
@@ -208,9 +211,9 @@ def _load_gguf(model: LlamaForCausalLM, path: Path) -> None:
         expected = model.full_shape(key)
         if tuple(w.shape) != tuple(expected):
             raise ValueError(f"{f.path}: {name} has shape {tuple(w.shape)}, the model expects {expected}")
-        if key.endswith("self_attn.q_proj.weight"):
+        if f.rope_interleaved and key.endswith("self_attn.q_proj.weight"):
             w = interleaved_to_half_rope(w, c.num_attention_heads)
-        elif key.endswith("self_attn.k_proj.weight"):
+        elif f.rope_interleaved and key.endswith("self_attn.k_proj.weight"):
             w = interleaved_to_half_rope(w, c.num_key_value_heads)
         params[key].copy_(w[model.shard_slices(key)])
         loaded.add(key)

@@ -384,6 +384,7 @@ def _pick_chat_template(directory: Path, template: str | list | None) -> str:
 # GGUF metadata (tokenizer.ggml.*; see gguf_file.py for the facts of the format this relies on)
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2/2.5/3: digits one by one
 _CONTROL, _USER_DEFINED = 3, 4  # token types
 
 
@@ -444,9 +445,10 @@ def _byte_level_bpe(f: GGUFFile, tokens: list[str]):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre in ("llama-bpe", "llama3", "llama-v3"):
+    elif pre in ("llama-bpe", "llama3", "llama-v3", "qwen2"):
+        split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     else:  # "default", "gpt2" and the rest: GPT-2's split
         tok.pre_tokenizer = byte_level

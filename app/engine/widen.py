@@ -29,10 +29,11 @@ import math
 
 import torch
 
-from app.engine.models.llama import LlamaConfig, LlamaForCausalLM
+from app.engine.models.config import ModelConfig
+from app.engine.models.decoder import CausalLM
 
 
-def widen_config(small: LlamaConfig, big: LlamaConfig) -> LlamaConfig:
+def widen_config(small: ModelConfig, big: ModelConfig) -> ModelConfig:
     """big's shapes (hidden, heads, head_dim, MLP, layers) carrying small's vocabulary, RoPE,
     special tokens and tying, with eps rescaled. ValueError if small does not fit in big."""
     problems = []
@@ -67,7 +68,7 @@ def head_dims(small: int, big: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def copy_widened(small: LlamaForCausalLM, big: LlamaForCausalLM) -> None:
+def copy_widened(small: CausalLM, big: CausalLM) -> None:
     """Overwrite big's weights (tp_size 1, config from widen_config) with small's, widened."""
     s, b = small.config, big.config
     need = "big must be an unsharded model built from widen_config(small.config, ...)"

@@ -2,7 +2,7 @@
 in), rotary embedding of the fused QKV projection, SiLU-and-mul. Their torch references (the model's
 torch path) are in layer_ops_ref.py.
 
-They round where the torch path (app/engine/models/llama.py) rounds: the residual sum in the
+They round where the torch path (app/engine/models/decoder.py) rounds: the residual sum in the
 activation dtype (bit for bit), the normalized row cast to it before the weight multiplies, RoPE in
 float32 (bit for bit), SiLU in float32 cast before the multiply. A row's sum of squares is summed in
 another order, and on CUDA Triton's division and exp are not torch's, so RMSNorm and SiLU may differ

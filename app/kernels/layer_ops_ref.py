@@ -14,7 +14,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rms_norm_ref(x, weight, eps, residual=None):
-    """The torch path's RMSNorm (app/engine/models/llama.py RMSNorm) with the residual add first."""
+    """The torch path's RMSNorm (app/engine/models/decoder.py RMSNorm) with the residual add first."""
     if residual is not None:
         x = x + residual
     xf = x.float()

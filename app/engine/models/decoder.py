@@ -1,4 +1,10 @@
-"""Llama 3.x (GQA, RoPE scaling) over a paged KV cache; parameter names exactly as HF's.
+"""The decoder of every supported family (models/config.py FAMILIES) over a paged KV cache;
+parameter names exactly as HF's (which all four families share).
+
+One structure, with the families' differences as flags of the config: Llama 3.x (GQA, RoPE
+scaling, tied or untied embeddings) and Mistral are the plain decoder; Qwen2/2.5 add a bias to the
+q, k and v projections (added in the fused projection's GEMM, before RoPE); Qwen3 normalizes each
+query and key head (RMSNorm over head_dim, one weight for all heads) before RoPE.
 
 Tokens of every sequence in a step are flattened into one dimension T (see AttentionMetadata).
 Each layer stores its new K/V in the cache first and then attends through the cache, so new
@@ -23,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.engine.attention import AttentionMetadata
-from app.engine.models.llama_config import LlamaConfig
+from app.engine.models.config import ModelConfig
 from app.engine.kv_cache import KVCache
 from app.kernels import cpu_kernels
 from app.kernels.layer_ops_ref import apply_rope, rms_norm_ref, rope_qk_ref, silu_and_mul_ref  # noqa: F401 (apply_rope: re-exported)
@@ -66,7 +72,7 @@ def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     return x
 
 
-def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:  # [head_dim // 2] float32, on CPU
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [head_dim // 2] float32, on CPU
     """Inverse frequencies with the rope scaling applied (the formulas of HF / Llama 3.1)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # not meta, even under init
@@ -97,8 +103,8 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
 CPU_GEMM_ROWS = 64
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T. On the CPU in bf16/fp16 the rows are padded to a multiple of CPU_GEMM_ROWS:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias). On the CPU in bf16/fp16 the rows are padded to a multiple of CPU_GEMM_ROWS:
     oneDNN builds (JIT-compiles) a kernel per new shape, about 2 ms, which a step's varying token
     count would otherwise pay at every projection (docs/history.md, the CPU section)."""
     rows = x.shape[0]
@@ -106,10 +112,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # bf16 kernels let a NaN in one token's row reach a neighbour's output at some row counts (64
     # among them, which padding would make every step's), so the wrong request would fail.
     if x.device.type != "cpu" or x.dtype == torch.float32 or rows % CPU_GEMM_ROWS == 0 or x.shape[1] % 32:
-        return F.linear(x, weight)
+        return F.linear(x, weight, bias)
     padded = x.new_zeros(-(-rows // CPU_GEMM_ROWS) * CPU_GEMM_ROWS, x.shape[1])
     padded[:rows] = x
-    return F.linear(padded, weight)[:rows]
+    return F.linear(padded, weight, bias)[:rows]
 
 
 def _cpu_ops(x: torch.Tensor) -> bool:
@@ -138,14 +144,16 @@ class RMSNorm(nn.Module):
         return y if residual is None else (y, h)
 
 
-class LlamaAttention(nn.Module):
+class Attention(nn.Module):
     """This rank's heads: num_attention_heads / tp_size query heads and their KV heads.
 
     q/k/v keep their HF parameters; after `fuse_projections` they are views of one [q + 2 kv,
-    hidden] weight and the layer runs one GEMM for all three.
+    hidden] weight (and one bias, for qkv_bias families) and the layer runs one GEMM for all three.
+    With qk_norm (Qwen3) q_norm / k_norm ([head_dim], replicated on every rank) normalize each query
+    and key head of the projection before RoPE.
     """
 
-    def __init__(self, config: LlamaConfig, layer_idx: int, dtype: torch.dtype | None = None, tp_size: int = 1) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype | None = None, tp_size: int = 1) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.tp_size = tp_size
@@ -154,23 +162,43 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         h, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(h, q_size, bias=False, dtype=dtype)
-        self.k_proj = nn.Linear(h, kv_size, bias=False, dtype=dtype)
-        self.v_proj = nn.Linear(h, kv_size, bias=False, dtype=dtype)
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(h, q_size, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(h, kv_size, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(h, kv_size, bias=bias, dtype=dtype)
         self.o_proj = nn.Linear(q_size, h, bias=False, dtype=dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
         self.qkv_weight: torch.Tensor | None = None  # [q + 2 kv, hidden], set by fuse_projections
+        self.qkv_bias: torch.Tensor | None = None  # [q + 2 kv] where the family has one
         self.use_kernels = False
 
     def fuse_projections(self) -> None:
-        self.qkv_weight = _fuse(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight, self.qkv_bias = _fuse(self.q_proj, self.k_proj, self.v_proj)
+
+    def _norm_heads(self, qkv: torch.Tensor) -> None:
+        """RMSNorm each query head with q_norm and each key head with k_norm, in place in qkv
+        [T, (H + 2K) * D] (as HF's Qwen3: on the projection, before RoPE). The RMSNorm modules run
+        the layer-op kernels on rows of head_dim ([T * heads, D] copies of the strided heads)."""
+        T = qkv.shape[0]
+        H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_norm(qkv[:, :H * D].reshape(T * H, D))  # [T * H, D]
+        k = self.k_norm(qkv[:, H * D:(H + K) * D].reshape(T * K, D))  # [T * K, D]
+        qkv[:, :H * D] = q.view(T, H * D)
+        qkv[:, H * D:(H + K) * D] = k.view(T, K * D)
 
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
-            qkv = linear(x, self.qkv_weight)  # [T, (H + 2K) * D]
+            qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2K) * D], the bias added
         else:
             qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        if self.q_norm is not None:
+            self._norm_heads(qkv)
         if self.use_kernels:
             from app.kernels.layer_ops import rope_qk
 
@@ -185,10 +213,10 @@ class LlamaAttention(nn.Module):
         return all_reduce(linear(o.reshape(T, H * D), self.o_proj.weight), self.tp_size)  # [T, hidden]
 
 
-class LlamaMLP(nn.Module):
+class MLP(nn.Module):
     """This rank's intermediate_size / tp_size MLP columns (gate and up fused like q/k/v)."""
 
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype | None = None, tp_size: int = 1) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, tp_size: int = 1) -> None:
         super().__init__()
         self.tp_size = tp_size
         h, i = config.hidden_size, config.intermediate_size // tp_size
@@ -199,7 +227,7 @@ class LlamaMLP(nn.Module):
         self.use_kernels = False
 
     def fuse_projections(self) -> None:
-        self.gate_up_weight = _fuse(self.gate_proj, self.up_proj)
+        self.gate_up_weight, _ = _fuse(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if self.gate_up_weight is not None:
@@ -217,25 +245,29 @@ class LlamaMLP(nn.Module):
         return all_reduce(linear(act, self.down_proj.weight), self.tp_size)
 
 
-def _fuse(*linears: nn.Linear) -> torch.Tensor:
-    """One weight holding the linears' weights stacked by rows; each linear's weight becomes a view
-    of its rows (so loaders that copy_ into the HF names fill the fused weight)."""
-    fused = torch.cat([lin.weight.detach() for lin in linears], dim=0)
-    row = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight = nn.Parameter(fused[row:row + n], requires_grad=lin.weight.requires_grad)
-        row += n
-    return fused
+def _fuse(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight holding the linears' weights stacked by rows, and one bias likewise (None when they
+    have none); each linear's weight and bias become views of their rows (so loaders that copy_ into
+    the HF names fill the fused tensors)."""
+    def stack(attr: str) -> torch.Tensor:
+        fused = torch.cat([getattr(lin, attr).detach() for lin in linears], dim=0)
+        row = 0
+        for lin in linears:
+            n = getattr(lin, attr).shape[0]
+            setattr(lin, attr, nn.Parameter(fused[row:row + n], requires_grad=getattr(lin, attr).requires_grad))
+            row += n
+        return fused
+
+    return stack("weight"), (stack("bias") if linears[0].bias is not None else None)
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_idx: int, dtype: torch.dtype | None = None, tp_size: int = 1) -> None:
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype | None = None, tp_size: int = 1) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_idx, dtype, tp_size)
+        self.self_attn = Attention(config, layer_idx, dtype, tp_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype, tp_size)
+        self.mlp = MLP(config, dtype, tp_size)
 
     def forward(self, h, residual, cos, sin, kv_cache: KVCache, meta: AttentionMetadata):
         """(h, residual) -> (h', residual'): the residual stream is residual + h, summed inside the
@@ -249,11 +281,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual  # [T, hidden] each
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype | None = None, tp_size: int = 1) -> None:
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, tp_size: int = 1) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, tp_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, tp_size)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # A plain attribute, not a buffer: absent from state dicts, never cast by .to(dtype),
@@ -272,17 +304,17 @@ class LlamaModel(nn.Module):
         return self.norm(h, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     """The whole model (tp_size 1) or rank tp_rank's shard of it; see the module docstring."""
 
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype | None = None, tp_rank: int = 0,
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, tp_rank: int = 0,
                  tp_size: int = 1) -> None:
         super().__init__()
         config.check_tensor_parallel(tp_size)
         assert 0 <= tp_rank < tp_size, f"tp_rank {tp_rank} out of range for tp_size {tp_size}"
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.model = LlamaModel(config, dtype, tp_size)
+        self.model = DecoderModel(config, dtype, tp_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.tie_weights()
 
@@ -297,7 +329,7 @@ class LlamaForCausalLM(nn.Module):
         """Run RMSNorm, RoPE and SiLU-and-mul as app/kernels/layer_ops.py's kernels (CUDA, or the
         Triton interpreter in tests; head_dim a power of two), else in torch."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+            if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.use_kernels = enabled
 
     def tie_weights(self) -> None:
