@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # ~60-90 s on 2 cores, most of it serve run's start
 def test_serve_vs_engine_runs_and_its_counts_add_up(tmp_path):
     out = tmp_path / "sve.json"
     cmd = [sys.executable, str(ROOT / "bench" / "serve_vs_engine.py"), "--model", "tiny-llama",
