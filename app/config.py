@@ -139,7 +139,16 @@ class EngineConfig(BaseModel):
         "Never more blocks than max_num_seqs full-length requests need.",
     )
     gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="Fraction of each GPU's memory the engine may use (weights + KV cache)."
+        0.9, gt=0, le=1, description="Fraction of each GPU's memory the engine may use (weights + KV cache); "
+        "with gpu_fraction, of that share of the GPU.",
+    )
+    gpu_fraction: float | None = Field(
+        None, gt=0, le=1, description="Share of one GPU this engine takes, so that several engines (LLMServer "
+        "replicas) run on one GPU: a replica reserves this fraction of a GPU from Ray (two at 0.45 share one), "
+        "the KV cache is sized from gpu_fraction x gpu_memory_utilization x the GPU's memory minus what this "
+        "process's torch allocator holds (the other engines' memory is not counted against it), and the "
+        "allocator is capped at gpu_fraction of the GPU. CUDA devices and tensor_parallel_size 1 only. Default "
+        "(null): the engine owns its GPUs.",
     )
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of identical prefixes.")
     device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1', ...")

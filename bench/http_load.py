@@ -31,7 +31,7 @@ import random
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import httpx
 
@@ -66,6 +66,7 @@ class RequestResult:
     replica: str | None = None
     text: str = ""
     prompt: str | None = None  # the completions prompt of a session turn (for an exact ideal; bench/router_compare.py)
+    itl_s: list[float] = field(default_factory=list)  # streamed: gaps between successive token chunks
 
     @property
     def tpot_s(self) -> float | None:
@@ -139,6 +140,7 @@ async def send_streaming(client: httpx.AsyncClient, path: str, payload: dict, re
     parts: list[str] = []
     num_token_chunks = 0
     usage = None
+    last = 0.0
     try:
         async with client.stream("POST", path, json=payload, headers=headers) as response:
             result.status = response.status_code
@@ -159,8 +161,12 @@ async def send_streaming(client: httpx.AsyncClient, path: str, payload: dict, re
                     break
                 text = _chunk_text(chunk)
                 if text is not None:
+                    now = time.perf_counter() - result.start
                     if result.ttft_s is None:
-                        result.ttft_s = time.perf_counter() - result.start
+                        result.ttft_s = now
+                    else:
+                        result.itl_s.append(now - last)
+                    last = now
                     num_token_chunks += 1
                     parts.append(text)
                 if chunk.get("usage"):

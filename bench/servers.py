@@ -72,8 +72,10 @@ def _serving(cmd: list[str], env: dict, workdir: Path, url: str, timeout_s: floa
 
 
 @contextlib.contextmanager
-def serve_run(workdir: Path, edit: Callable[[dict], None] | None = None, timeout_s: float = 300) -> Iterator[str]:
-    """`serve run` of serve_config.yaml on a free port, after `edit(config)`; yields the base URL."""
+def serve_run(workdir: Path, edit: Callable[[dict], None] | None = None, timeout_s: float = 300,
+              address: str | None = None) -> Iterator[str]:
+    """`serve run` of serve_config.yaml on a free port, after `edit(config)`; yields the base URL.
+    `address`: a running Ray instance to deploy on (`serve run --address`; else it starts its own)."""
     config = copy.deepcopy(yaml.safe_load((ROOT / "serve_config.yaml").read_text()))
     port = free_port()
     config["http_options"]["port"] = port
@@ -83,7 +85,8 @@ def serve_run(workdir: Path, edit: Callable[[dict], None] | None = None, timeout
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "RAY_AUTH_MODE": "disabled",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    with _serving(["serve", "run", str(path)], env, workdir, f"http://127.0.0.1:{port}", timeout_s) as url:
+    cmd = ["serve", "run", str(path)] + (["--address", address] if address else [])
+    with _serving(cmd, env, workdir, f"http://127.0.0.1:{port}", timeout_s) as url:
         yield url
 
 

@@ -178,6 +178,18 @@ def test_mp_executor_replica_takes_the_node_in_one_bundle():
     assert options["ray_actor_options"]["num_cpus"] == bundle["CPU"] == 1 + 8 * 1.0
 
 
+def test_a_gpu_fraction_replica_takes_that_share_of_one_gpu():
+    builder = _builder()
+    config = ServerConfig.model_validate({"engine": {"device": "cuda", "gpu_fraction": 0.45}})
+    options = builder.placement_options(config)
+    (bundle,) = options["placement_group_bundles"]
+    # The replica runs the engine itself: it and its one bundle take 0.45 of a GPU, two fit one GPU.
+    assert bundle == {"GPU": 0.45, "CPU": 1.0}
+    assert options["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.45}
+    whole = builder.placement_options(ServerConfig.model_validate({"engine": {"device": "cuda"}}))
+    assert whole["placement_group_bundles"] == [{"GPU": 1.0, "CPU": 1.0}]
+
+
 def test_default_config_fits_a_cpu_machine():
     builder = _builder()
     config = ServerConfig.model_validate(app_of(load(DEFAULT_CONFIG))["args"])

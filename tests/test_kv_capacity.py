@@ -77,3 +77,31 @@ def test_the_prefill_scratch_is_counted_in_the_gpu_budget():
     assert scratch_bytes("fp4", spec, "cuda", 100001) == 100016 * per_token  # whole blocks
     assert scratch_bytes("bf16", spec, "cuda", 32768) == 0
     assert scratch_bytes("fp4", spec, "cpu", 32768) == 0
+
+
+def test_engines_sharing_a_gpu_size_their_kv_from_their_share():
+    """gpu_fraction f: the budget is f x gpu_memory_utilization x total minus this engine's own
+    allocations, whatever the other engines on the GPU hold. Two 8B-sized engines at 0.45 of an
+    80 GiB GPU, started one after the other: together they stay within 0.9 x 0.9 of it, and the
+    second gets as much as the first. Without the fraction, the first would take 0.9 of the GPU
+    and leave the second nothing."""
+    gib = 2**30
+    total, weights, context = 80 * gib, 16 * gib, gib // 2
+    shared = EngineConfig(device="cuda", gpu_fraction=0.45)
+    from app.engine.model_runner import gpu_kv_budget
+
+    # the first engine: its weights and context are all that is in use
+    free = total - weights - context
+    first = gpu_kv_budget(shared, free, total, own_bytes=weights)
+    assert first == int(total * 0.45 * 0.9) - weights
+    # the second: the first engine's weights, KV and context are in use too, and not counted against it
+    free -= first + weights + context
+    second = gpu_kv_budget(shared, free, total, own_bytes=weights)
+    assert second == first > 0
+    assert 2 * (weights + first) <= total * 0.9 * 0.9
+    assert gpu_kv_budget(shared, free, total, own_bytes=weights, workspace_bytes=gib) == first - gib
+    # the whole-GPU rule counts everything in use: the first takes 0.9 of the GPU, the second goes without
+    owner = EngineConfig(device="cuda")
+    whole_first = gpu_kv_budget(owner, total - weights - context, total, own_bytes=weights)
+    assert whole_first == int(total * 0.9) - weights - context
+    assert gpu_kv_budget(owner, total - 2 * (weights + context) - whole_first, total, own_bytes=weights) < 0

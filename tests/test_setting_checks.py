@@ -55,14 +55,27 @@ def test_a_vllm_config_it_can_serve_builds_without_the_model_on_this_machine():
     (dict(backend="vllm", model="tiny-llama", block_size=32), "built-in dummy"),
     (dict(backend="vllm", model="/m", block_size=32, kv_cache_dtype="fp32"), "kv_cache_dtype 'fp32'"),
     (dict(backend="vllm", model="/m", block_size=32, execute_timeout_s=5), "execute_timeout_s"),
+    (dict(device="cuda", gpu_fraction=0.5, tensor_parallel_size=2), "with tensor_parallel_size 2 every worker takes"),
+    (dict(device="cuda", gpu_fraction=0.5, tensor_parallel_size=2, distributed_executor_backend="ray"),
+     "gpu_fraction 0.5 shares one GPU between engines of tensor_parallel_size 1"),
+    (dict(gpu_fraction=0.5), "gpu_fraction 0.5 is a share of a GPU, and device 'cpu' uses none"),
+    (dict(backend="vllm", model="/m", block_size=32, gpu_fraction=0.5), "device 'cpu' uses none"),
 ])
 def test_each_problem_fails_the_build(engine, problem):
     with pytest.raises(UnsupportedSettingError, match=problem):
         build_app({"engine": engine})
 
 
+@pytest.mark.parametrize("fraction", [0, -0.5, 1.5])
+def test_a_gpu_fraction_outside_0_1_fails_the_build(fraction):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"engine.gpu_fraction\n  Input should be (greater than 0|less than or equal to 1)"):
+        build_app({"engine": {"device": "cuda", "gpu_fraction": fraction}})
+
+
 def test_settings_that_can_work_pass():
-    for engine in (EngineConfig(), EngineConfig(device="cuda", tensor_parallel_size=2, distributed_backend="nccl"),
+    for engine in (EngineConfig(), EngineConfig(device="cuda", gpu_fraction=0.45), EngineConfig(device="cuda", gpu_fraction=1), EngineConfig(device="cuda", tensor_parallel_size=2, distributed_backend="nccl"),
                    EngineConfig(tensor_parallel_size=2, async_scheduling=True),  # the mp executor pipelines
                    EngineConfig(tensor_parallel_size=2, distributed_executor_backend="ray"),
                    EngineConfig(backend="vllm", model="/m", block_size=16, device="cuda")):

@@ -38,7 +38,8 @@ def placement_options(config: ServerConfig) -> dict:
     tensor_parallel_size n > 1: n bundles {"GPU": 1, "CPU": cpus_per_worker} (no GPU key on CPU),
     bundle 0 enlarged by the replica's own CPUs since Ray Serve starts the replica in bundle 0;
     the engine starts its n workers on bundles 0..n-1. n = 1: one bundle with the replica, which
-    runs the engine in-process (and takes the GPU on GPU devices). With distributed_executor_backend
+    runs the engine in-process (and takes the GPU on GPU devices, or engine.gpu_fraction of one, so
+    that several replicas share it: two at 0.45 fit one GPU). With distributed_executor_backend
     "mp" the workers are the replica's own child processes, so the replica takes everything: one
     bundle {"GPU": n, "CPU": replica_cpus + n x cpus_per_worker}, all of it reserved by the replica
     (Ray then makes exactly those n GPUs visible to it).
@@ -55,9 +56,12 @@ def placement_options(config: ServerConfig) -> dict:
             "placement_group_bundles": [{"CPU": cpus, **({"GPU": float(tp)} if gpu else {})}],
             "placement_group_strategy": p.strategy,
         }
-    bundles = placement_bundles(tp, cpus_per_worker if tp > 1 else 0.0, gpu, driver_cpus=replica_cpus)
-    # tp 1: the engine runs in the replica, which takes the GPU; tp > 1: the workers take them.
-    actor = {"num_cpus": replica_cpus, "num_gpus": 1.0 if gpu and tp == 1 else 0.0}
+    fraction = config.engine.gpu_fraction
+    bundles = placement_bundles(tp, cpus_per_worker if tp > 1 else 0.0, gpu, driver_cpus=replica_cpus,
+                                gpu_fraction=fraction if gpu else None)
+    # tp 1: the engine runs in the replica, which takes the GPU (or its gpu_fraction of one); tp > 1:
+    # the workers take them.
+    actor = {"num_cpus": replica_cpus, "num_gpus": (fraction or 1.0) if gpu and tp == 1 else 0.0}
     return {
         "ray_actor_options": actor,
         "placement_group_bundles": bundles,

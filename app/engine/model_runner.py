@@ -155,12 +155,27 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def gpu_kv_budget(config: EngineConfig, free: int, total: int, own_bytes: int, workspace_bytes: int = 0) -> int:
+    """KV bytes an engine may allocate on a GPU with `free` of `total` bytes free, its torch allocator
+    holding `own_bytes` (weights and all), beside workspace_bytes of other cache arrays.
+
+    The engine owns the GPU (gpu_fraction null): gpu_memory_utilization x total minus everything in
+    use (its own allocations, its CUDA context, anyone else's). It shares the GPU (gpu_fraction f):
+    f x gpu_memory_utilization x total minus its own allocations only, since the other engines'
+    memory is theirs: two engines at 0.45 then stay within 0.9 x 0.9 of the GPU together, whichever
+    starts first, where the whole-GPU rule would hand the first one 0.9 of it. The rest of the share,
+    (1 - gpu_memory_utilization) x f x total, is left for activations, CUDA graphs and the context."""
+    if config.gpu_fraction is None:
+        return int(total * config.gpu_memory_utilization) - (total - free) - workspace_bytes
+    return int(total * config.gpu_fraction * config.gpu_memory_utilization) - own_bytes - workspace_bytes
+
+
 def fit_num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int, device: torch.device,
                       max_model_len: int, workspace_bytes: int = 0) -> int:
     """KV blocks of kv_bytes_per_token-byte tokens that fit this rank's budget: config.num_kv_blocks;
-    else kv_cache_memory; on GPU gpu_memory_utilization x total - used - workspace_bytes (what the
-    cache allocates beside its blocks: the prefill scratch of quantized formats); on CPU 1 GiB. A
-    number derived from memory is capped at what max_num_seqs requests of max_model_len tokens use."""
+    else kv_cache_memory; on GPU gpu_kv_budget (workspace_bytes: what the cache allocates beside its
+    blocks, the prefill scratch of quantized formats); on CPU 1 GiB. A number derived from memory is
+    capped at what max_num_seqs requests of max_model_len tokens use."""
     c = config
     if c.num_kv_blocks is not None:
         return c.num_kv_blocks
@@ -168,13 +183,14 @@ def fit_num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int, device: tor
         budget = int(c.kv_cache_memory)
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * c.gpu_memory_utilization) - (total - free) - workspace_bytes
+        budget = gpu_kv_budget(c, free, total, torch.cuda.memory_reserved(device), workspace_bytes)
     else:
         budget = CPU_DEFAULT_KV_MEMORY
     num_blocks = budget // (kv_bytes_per_token * c.block_size)
     if num_blocks < 1:
         raise ValueError(f"KV cache memory budget {budget} B is too small for one block "
-                         f"({kv_bytes_per_token * c.block_size} B); raise kv_cache_memory")
+                         f"({kv_bytes_per_token * c.block_size} B); raise kv_cache_memory (or on a GPU "
+                         "gpu_memory_utilization, gpu_fraction)")
     return min(num_blocks, c.max_num_seqs * cdiv(max_model_len, c.block_size))
 
 
@@ -197,6 +213,9 @@ class ModelRunner:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.device = torch.device(device if device is not None else config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cuda" and config.gpu_fraction is not None:
+            # a share of a GPU: past it this engine's allocations fail here, not its neighbours'
+            torch.cuda.set_per_process_memory_fraction(config.gpu_fraction, self.device)
         self.vocab_size = vocab_size  # ids the tokenizer knows; logits beyond are never sampled
         self.model, mc = load_model(config.model, device=self.device, dtype=self.dtype,
                                     load_format=config.load_format, seed=config.seed,

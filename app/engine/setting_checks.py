@@ -30,9 +30,10 @@ def setting_problems(config: EngineConfig, *, on_cpu: bool | None = None, model_
     config.device == "cpu". `model_here`: where the engine starts, also refuse a vLLM `model` that
     is no directory on this machine (the machine that builds the application may not hold it)."""
     on_cpu = config.device == "cpu" if on_cpu is None else on_cpu
+    shared = _gpu_fraction_problems(config, on_cpu)
     if config.backend == "vllm":
-        return _vllm_problems(config, on_cpu, model_here)
-    return _native_problems(config, on_cpu)
+        return shared + _vllm_problems(config, on_cpu, model_here)
+    return shared + _native_problems(config, on_cpu)
 
 
 def check_settings(config: EngineConfig, *, on_cpu: bool | None = None, model_here: bool = False) -> None:
@@ -41,6 +42,23 @@ def check_settings(config: EngineConfig, *, on_cpu: bool | None = None, model_he
     if problems:
         raise UnsupportedSettingError(
             f"engine.backend {config.backend!r} cannot honour these settings: " + "; ".join(problems))
+
+
+def _gpu_fraction_problems(config: EngineConfig, on_cpu: bool) -> list[str]:
+    """gpu_fraction shares one GPU between engines of one worker each (its range, (0, 1], is the
+    field's own constraint)."""
+    fraction = config.gpu_fraction
+    if fraction is None:
+        return []
+    problems = []
+    if config.tensor_parallel_size > 1:
+        problems.append(f"gpu_fraction {fraction} shares one GPU between engines of tensor_parallel_size 1; with "
+                        f"tensor_parallel_size {config.tensor_parallel_size} every worker takes a whole GPU "
+                        "(leave gpu_fraction unset)")
+    if on_cpu:
+        problems.append(f"gpu_fraction {fraction} is a share of a GPU, and device {config.device!r} uses none "
+                        "(leave gpu_fraction unset, or set device 'cuda')")
+    return problems
 
 
 def _native_problems(config: EngineConfig, on_cpu: bool) -> list[str]:

@@ -71,7 +71,8 @@ def vllm_engine_args(config: EngineConfig, *, on_cpu: bool | None = None) -> tup
         kv_cache_dtype=VLLM_KV_DTYPES[config.kv_cache_dtype], block_size=config.block_size,
         max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
         max_model_len=config.max_model_len, num_gpu_blocks_override=config.num_kv_blocks,
-        gpu_memory_utilization=config.gpu_memory_utilization, enable_prefix_caching=config.enable_prefix_caching,
+        gpu_memory_utilization=config.gpu_memory_utilization * (config.gpu_fraction or 1.0),  # vLLM's: of the whole GPU
+        enable_prefix_caching=config.enable_prefix_caching,
         enforce_eager=config.enforce_eager, async_scheduling=config.async_scheduling, seed=config.seed,
         tensor_parallel_size=config.tensor_parallel_size,
         distributed_executor_backend=config.distributed_executor_backend if config.tensor_parallel_size > 1 else None,

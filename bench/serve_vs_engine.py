@@ -1,0 +1,365 @@
+"""The serving path against the engine alone, on the same token shapes, in one call.
+
+It starts a Ray instance, then `serve run` of serve_config.yaml on it with this script's engine
+settings (so this process can hold handles too), and reports the replica's ready time: seconds from
+`serve run` to a 200 on /v1/models and an answered 1-token completion. Then, per workload, over HTTP
+(/v1/completions with token-id prompts) and through the handle API (the ingress's `completions`,
+as agent swarms on Ray call it); then Serve and Ray are stopped and the same workloads run through
+the engine alone in this process (LLM.generate for throughput, AsyncLLMEngine.generate for
+sessions), so the two never share the device. Every request has ignore_eos and temperature 0:
+every path generates exactly its max_tokens.
+
+- throughput shapes `NxL+M`: N concurrent requests, each a prompt of L random token ids of its own
+  (no prefix shared), M output tokens; wall time and output tok/s;
+- streaming sessions: S concurrent sessions of T turns; turn t's prompt is turn t-1's plus
+  --session-append new tokens (the reply is not appended, so every path sends the same ids), after
+  a --session-prefix shared by all sessions; --session-reply tokens each; TTFT and inter-token
+  latency (gaps between streamed chunks) p50/p99.
+
+Each path draws its own token ids (same shapes), so no path finds another's prompts in the prefix
+cache. "vs engine" is the path's output tok/s over the engine's on the same workload.
+
+GPU (one H100/H200; Ray from the offline bundle, see the README "On a GPU"):
+
+    source .raydev/install.sh && python bench/serve_vs_engine.py --model llama-3.1-8b \
+        --load-format dummy --device cuda --kv-cache-dtype fp4 --json serve_vs_engine.json
+
+CPU (the smoke test, tests/test_serve_vs_engine.py, runs this at a smaller size):
+
+    python bench/serve_vs_engine.py --model tiny-llama --kv-cache-dtype bf16 --shapes 8x64+16 \
+        --sessions 2 --turns 2 --session-prefix 32 --session-append 16 --session-reply 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.http_load import RequestResult, percentile, send_once, send_streaming  # noqa: E402
+from bench.servers import serve_run  # noqa: E402
+
+MODEL_ID = "bench"
+APP = "llm"
+PATHS = ("http", "handle", "engine")
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'64x2048+128' -> (64 requests, 2048 prompt tokens, 128 output tokens)."""
+    try:
+        n, rest = text.split("x")
+        length, out = rest.split("+")
+        shape = int(n), int(length), int(out)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is NxL+M, e.g. 64x2048+128 (got {text!r})") from None
+    if min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"N, L and M must be >= 1 (got {text!r})")
+    return shape
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-cache-dtype", default="fp4")
+    p.add_argument("--engine-json", default="{}", help="more engine settings, e.g. '{\"max_num_seqs\": 256}'")
+    p.add_argument("--shapes", type=lambda s: [parse_shape(x) for x in s.split(",") if x],
+                   default=[(64, 2048, 128), (128, 4096, 128)], help="throughput shapes NxL+M, comma-separated")
+    p.add_argument("--sessions", type=int, default=32, help="0: no session workload")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--session-prefix", type=int, default=1024, help="tokens every session's first turn starts with")
+    p.add_argument("--session-append", type=int, default=256, help="new tokens per turn")
+    p.add_argument("--session-reply", type=int, default=64, help="output tokens per turn")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"some of {','.join(PATHS)}")
+    p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args(argv)
+    args.paths = [x for x in args.paths.split(",") if x]
+    if not set(args.paths) <= set(PATHS):
+        p.error(f"--paths: some of {PATHS} (got {args.paths})")
+    return args
+
+
+def engine_settings(args: argparse.Namespace) -> dict:
+    return {"model": args.model, "load_format": args.load_format, "device": args.device,
+            "kv_cache_dtype": args.kv_cache_dtype, **json.loads(args.engine_json)}
+
+
+# -- workloads: token ids, the same shapes for every path ------------------------------------------
+
+def throughput_prompts(shape: tuple[int, int, int], vocab_size: int, seed: str) -> list[list[int]]:
+    n, length, _ = shape
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(length)] for _ in range(n)]
+
+
+def session_prompts(args: argparse.Namespace, vocab_size: int, seed: str) -> list[list[list[int]]]:
+    """Per session, the prompt of each turn."""
+    rng = random.Random(seed)
+    ids = lambda k: [rng.randrange(3, vocab_size) for _ in range(k)]  # noqa: E731
+    prefix = ids(args.session_prefix)
+    sessions = []
+    for _ in range(args.sessions):
+        prompt, turns = list(prefix), []
+        for _ in range(args.turns):
+            prompt = prompt + ids(args.session_append)
+            turns.append(prompt)
+        sessions.append(turns)
+    return sessions
+
+
+def workloads(args: argparse.Namespace) -> list[tuple[str, str, tuple | None]]:
+    """(name, kind, shape) of each workload."""
+    rows = [(f"{n}x{length}+{out}", "throughput", (n, length, out)) for n, length, out in args.shapes]
+    if args.sessions:
+        rows.append((f"sessions {args.sessions}x{args.turns} (+{args.session_append}, reply {args.session_reply})",
+                     "sessions", None))
+    return rows
+
+
+# -- one request on each path: (output tokens, ttft_s, gaps) -----------------------------------------
+
+class Stream:
+    """Times of one request's streamed tokens."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.ttft_s: float | None = None
+        self.itl_s: list[float] = []
+        self.num_tokens = 0
+        self._last = 0.0
+
+    def tokens(self, k: int) -> None:
+        if k <= 0:
+            return
+        now = time.perf_counter() - self.start
+        if self.ttft_s is None:
+            self.ttft_s = now
+        else:
+            self.itl_s.append(now - self._last)
+        self._last = now
+        self.num_tokens += k
+
+
+def completion_body(prompt: list[int], max_tokens: int) -> dict:
+    return {"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+async def http_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, stream: bool) -> Stream:
+    result = RequestResult(session=0, turn=0, start=time.perf_counter())
+    send = send_streaming if stream else send_once
+    await send(client, "/v1/completions", completion_body(prompt, max_tokens), result)
+    if not result.ok:
+        raise RuntimeError(f"HTTP request failed: {result.error}")
+    s = Stream()
+    s.ttft_s, s.itl_s, s.num_tokens = result.ttft_s, result.itl_s, result.completion_tokens
+    return s
+
+
+async def handle_request(handle, prompt: list[int], max_tokens: int, stream: bool) -> Stream:
+    from app.deployments.protocol import CompletionRequest
+
+    body = completion_body(prompt, max_tokens)
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    s = Stream()
+    async for item in handle.options(stream=True).completions.remote(CompletionRequest(**body)):
+        if stream and item.choices:
+            s.tokens(1)
+        if item.usage is not None:
+            s.num_tokens = item.usage.completion_tokens
+    return s
+
+
+async def engine_request(engine, prompt: list[int], max_tokens: int) -> Stream:
+    from app import SamplingParams
+
+    s = Stream()
+    async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)):
+        s.tokens(len(out.delta_token_ids))
+    return s
+
+
+async def run_sessions(sessions: list[list[list[int]]], reply: int, send) -> list[Stream]:
+    async def one(turns: list[list[int]]) -> list[Stream]:
+        return [await send(prompt, reply) for prompt in turns]
+
+    return [s for streams in await asyncio.gather(*(one(t) for t in sessions)) for s in streams]
+
+
+def row(path: str, workload: str, streams: list[Stream], expected: int, wall_s: float, num_requests: int) -> dict:
+    ttfts = [s.ttft_s for s in streams if s.ttft_s is not None]
+    gaps = [g for s in streams for g in s.itl_s]
+    output_tokens = sum(s.num_tokens for s in streams)
+    return {"workload": workload, "path": path, "requests": num_requests,
+            "answered": sum(s.num_tokens == expected for s in streams), "expected_tokens": expected,
+            "output_tokens": output_tokens, "wall_s": wall_s, "output_tok_per_s": output_tokens / wall_s,
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+            "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99)}
+
+
+async def run_workloads(path: str, args: argparse.Namespace, vocab_size: int, send, send_batch=None) -> list[dict]:
+    """Every workload on one path. send(prompt, max_tokens, stream) -> Stream; send_batch(prompts,
+    max_tokens) -> list[Stream] replaces concurrent sends for the throughput shapes (the engine's
+    offline LLM.generate)."""
+    rows = []
+    for name, kind, shape in workloads(args):
+        seed = f"{args.seed}-{path}-{name}"
+        if kind == "throughput":
+            prompts, max_tokens = throughput_prompts(shape, vocab_size, seed), shape[2]
+            start = time.perf_counter()
+            if send_batch is not None:
+                streams = send_batch(prompts, max_tokens)
+            else:
+                streams = await asyncio.gather(*(send(p, max_tokens, False) for p in prompts))
+            rows.append(row(path, name, streams, max_tokens, time.perf_counter() - start, len(prompts)))
+        else:
+            sessions = session_prompts(args, vocab_size, seed)
+            start = time.perf_counter()
+            streams = await run_sessions(sessions, args.session_reply, lambda p, m: send(p, m, True))
+            rows.append(row(path, name, streams, args.session_reply, time.perf_counter() - start,
+                            args.sessions * args.turns))
+    return rows
+
+
+# -- the paths ---------------------------------------------------------------------------------------
+
+def serving_paths(args: argparse.Namespace, vocab_size: int) -> tuple[float, list[dict]]:
+    """(ready seconds, rows of the http and handle paths) from one `serve run`."""
+    import ray
+    from ray import serve
+
+    engine = engine_settings(args)
+
+    def edit(config: dict) -> None:
+        (app,) = config["applications"]
+        app["args"]["engine"] = engine  # the engine defaults, not serve_config.yaml's CPU settings
+        app["args"]["model_id"] = MODEL_ID
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as serve_run's `serve run`, which joins this instance
+    context = ray.init(include_dashboard=False, log_to_driver=False)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.monotonic()
+            with serve_run(Path(tmp), edit, timeout_s=args.ready_timeout, address=context.address_info["address"]) as url:
+                r = httpx.post(f"{url}/v1/completions", json=completion_body([5], 1), timeout=args.ready_timeout)
+                r.raise_for_status()
+                ready_s = time.monotonic() - start
+                print(f"replica ready (a 1-token completion answered) {ready_s:.1f} s after `serve run`", flush=True)
+
+                async def drive() -> None:
+                    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+                    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
+                        if "http" in args.paths:
+                            rows.extend(await run_workloads(
+                                "http", args, vocab_size, lambda p, m, st: http_request(client, p, m, st)))
+                    if "handle" in args.paths:
+                        handle = serve.get_app_handle(APP)
+                        rows.extend(await run_workloads(
+                            "handle", args, vocab_size, lambda p, m, st: handle_request(handle, p, m, st)))
+
+                asyncio.run(drive())
+    finally:
+        ray.shutdown()
+    return ready_s, rows
+
+
+def engine_path(args: argparse.Namespace, vocab_size: int) -> list[dict]:
+    """The same workloads through the engine alone, in this process (Serve is gone by now)."""
+    from app import LLM, SamplingParams
+    from app.engine.async_engine import AsyncLLMEngine
+
+    llm = LLM(**engine_settings(args))
+    llm.generate([[5]], SamplingParams(max_tokens=1))  # as the serving paths' ready probe: a first step
+
+    def batch(prompts: list[list[int]], max_tokens: int) -> list[Stream]:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                            log_every_s=1e9)
+        streams = []
+        for out in outs:
+            s = Stream()
+            s.num_tokens = len(out.token_ids)
+            streams.append(s)
+        return streams
+
+    async def drive() -> list[dict]:
+        engine = AsyncLLMEngine(engine=llm.engine)
+        try:
+            return await run_workloads("engine", args, vocab_size, lambda p, m, st: engine_request(engine, p, m),
+                                       send_batch=batch)
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(drive())  # the async engine's shutdown stops llm's engine too
+
+
+def vocab_size(args: argparse.Namespace) -> int:
+    """Ids the model's tokenizer knows (prompts are drawn below it)."""
+    from app.config import EngineConfig
+    from app.engine.model_source import load_model_config, resolve_tokenizer
+
+    config = EngineConfig(**engine_settings(args))
+    return resolve_tokenizer(config, load_model_config(config.model).vocab_size).vocab_size
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each row's output tok/s over the engine's on the same workload (None without an engine row)."""
+    engine = {r["workload"]: r["output_tok_per_s"] for r in rows if r["path"] == "engine"}
+    for r in rows:
+        base = engine.get(r["workload"])
+        r["vs_engine"] = r["output_tok_per_s"] / base if base else None
+    return rows
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 1e3:,.1f}"
+
+
+def to_markdown(rows: list[dict]) -> str:
+    lines = ["| workload | path | answered | output tokens | wall s | output tok/s | vs engine | TTFT p50 / p99 ms "
+             "| ITL p50 / p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "n/a" if r["vs_engine"] is None else f"{r['vs_engine']:.3f}x"
+        lines.append(f"| {r['workload']} | {r['path']} | {r['answered']}/{r['requests']} | {r['output_tokens']:,} "
+                     f"| {r['wall_s']:.2f} | {r['output_tok_per_s']:,.1f} | {ratio} "
+                     f"| {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} | {_ms(r['itl_p50_s'])} / {_ms(r['itl_p99_s'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    vocab = vocab_size(args)
+    ready_s, rows = None, []
+    if {"http", "handle"} & set(args.paths):
+        ready_s, rows = serving_paths(args, vocab)
+    if "engine" in args.paths:
+        rows += engine_path(args, vocab)
+    order = {name: i for i, (name, _, _) in enumerate(workloads(args))}
+    rows = with_ratios(sorted(rows, key=lambda r: (order[r["workload"]], PATHS.index(r["path"]))))
+    command = "python bench/serve_vs_engine.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    ready = "n/a" if ready_s is None else f"{ready_s:.1f} s"
+    print(f"\n`{command}`\n\n{time.strftime('%Y-%m-%d %H:%M')}, engine {engine_settings(args)}; replica ready "
+          f"(from `serve run` to an answered 1-token completion): {ready}\n")
+    print(to_markdown(rows))
+    result = {"command": command, "engine": engine_settings(args), "ready_s": ready_s, "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""bench/serve_vs_engine.py at a CPU size, as a user runs it: `serve run` (tiny-llama), HTTP and
+handle traffic, then the engine alone. Every request of every path is answered with its full length
+(ignore_eos), the paths' token counts agree, the ratios are positive and the ready time is known."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow  # ~60-90 s on 2 cores, most of it serve run's start
+def test_serve_vs_engine_runs_and_its_counts_add_up(tmp_path):
+    out = tmp_path / "sve.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "serve_vs_engine.py"), "--model", "tiny-llama",
+           "--kv-cache-dtype", "bf16", "--shapes", "6x48+8", "--sessions", "2", "--turns", "2",
+           "--session-prefix", "32", "--session-append", "16", "--session-reply", "6", "--ready-timeout", "240",
+           "--json", str(out)]
+    subprocess.run(cmd, check=True, timeout=300, cwd=ROOT)
+    result = json.loads(out.read_text())
+    assert result["ready_s"] > 0
+    rows = {(r["workload"], r["path"]): r for r in result["rows"]}
+    workloads = {w for w, _ in rows}
+    assert len(workloads) == 2 and set(rows) == {(w, p) for w in workloads for p in ("http", "handle", "engine")}
+    for (workload, path), r in rows.items():
+        expected = 6 * 8 if workload == "6x48+8" else 2 * 2 * 6
+        assert r["answered"] == r["requests"] and r["output_tokens"] == expected, r
+        assert r["wall_s"] > 0 and r["output_tok_per_s"] > 0 and r["vs_engine"] > 0
+        assert (r["vs_engine"] == 1.0) == (path == "engine")
+        if workload != "6x48+8":  # streamed: a first token and gaps between the others, per request
+            assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and 0 < r["itl_p50_s"] <= r["itl_p99_s"], r
