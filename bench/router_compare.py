@@ -42,7 +42,8 @@ from bench.http_load import SessionWorkload, percentile, run_sessions  # noqa: E
 APP = "llm"
 
 
-def deploy(replicas: int, kv_router: bool, engine_overrides: dict, model_id: str = "tiny-llama") -> None:
+def deploy(replicas: int, kv_router: bool, engine_overrides: dict, model_id: str = "tiny-llama",
+           router_overrides: dict | None = None) -> None:
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
@@ -52,7 +53,7 @@ def deploy(replicas: int, kv_router: bool, engine_overrides: dict, model_id: str
     app["args"]["engine"]["model"] = "tiny-llama"  # the byte tokenizer: 1 char = 1 token (unless overridden)
     app["args"]["model_id"] = model_id
     app["args"]["engine"].update(engine_overrides)
-    app["args"].setdefault("router", {})["enabled"] = kv_router
+    app["args"].setdefault("router", {}).update({**(router_overrides or {}), "enabled": kv_router})
     from ray import serve
 
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}), _blocking=False)
@@ -167,7 +168,7 @@ def run_one(url: str, name: str, kv_router: bool, replicas: int | None, args, w:
     t0 = time.time()
     replicas = replicas or args.replicas
     overrides, model_id = engine_overrides(args)
-    deploy(replicas, kv_router, overrides, model_id)
+    deploy(replicas, kv_router, overrides, model_id, {"slack": args.slack} if args.slack is not None else None)
     # replicas report their stats once per routing_stats period; wait until all have
     deadline = time.time() + 60
     while len(replica_requests()) < replicas and time.time() < deadline:
@@ -217,6 +218,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="which runs, of p2c (Ray Serve's router), kv (ours) and one (a single replica: every turn "
                         "finds its prefix, the attainable cached tokens where a BPE tokenizer makes the computed "
                         "ideal unreachable)")
+    p.add_argument("--slack", type=int, default=None,
+                   help="the KV-aware router's slack (args.router.slack; default serve_config.yaml's): requests "
+                        "above load_factor x the least load a replica may carry before sessions are sent elsewhere")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the local Ray")
     p.add_argument("--json", default=None)

@@ -34,7 +34,7 @@ def peer(tmp_path_factory) -> Path:
 def args(peer):
     return router.parse_args(["--backend", "vllm", "--model", str(peer), "--replicas", str(REPLICAS),
                               "--sessions", "9", "--turns", "4", "--system-prompt-tokens", "256",
-                              "--new-tokens", "40", "120", "--max-tokens", "16"])
+                              "--new-tokens", "40", "120", "--max-tokens", "16", "--slack", str(9)])
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,13 @@ def test_router_serves_sessions_from_their_cached_prefixes_on_vllm_replicas(url,
     """bench/router_compare.py's multi-turn workload on one vLLM replica (every turn finds whatever prefix
     any cache could hold), then on three behind the KV-aware router: >= 0.9 of the one replica's
     cached tokens, no errors, more than one replica used, and the index holds blocks of every
-    replica that served, from vLLM's KV events (routing history alone is never confirmed)."""
+    replica that served, from vLLM's KV events (routing history alone is never confirmed).
+
+    The router's slack is the session count, so no follow-up is sent away from its blocks to even
+    out load: what is measured is whether vLLM's events put each turn where its prefix is. (With
+    the default slack of 2 the bounded-load rule moved a few follow-ups on this 2-core machine, as
+    designed, and the KV-aware run's cached tokens fell to 0.89 of one replica's in one of five runs;
+    load spreading is tested in tests/test_router*.py and measured by bench/router_compare.py.)"""
     w = router.workload(args)
     one = router.run_one(url, *router.ROUTERS["one"], args, w)
     kv = router.run_one(url, *router.ROUTERS["kv"], args, w)
