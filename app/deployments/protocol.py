@@ -422,10 +422,8 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None  # None: the message is tool calls only
-    tool_calls: list[ToolCall] | None = None  # left out of the JSON when None
+class _ToolCallsOmittedWhenNone(BaseModel):
+    """A message whose tool_calls field is left out of the JSON when None (OpenAI's shape)."""
 
     @model_serializer(mode="wrap")
     def _drop_no_tool_calls(self, handler):
@@ -433,6 +431,12 @@ class ChatResponseMessage(BaseModel):
         if data.get("tool_calls") is None:
             data.pop("tool_calls", None)
         return data
+
+
+class ChatResponseMessage(_ToolCallsOmittedWhenNone):
+    role: Literal["assistant"] = "assistant"
+    content: str | None  # None: the message is tool calls only
+    tool_calls: list[ToolCall] | None = None  # left out of the JSON when None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -448,17 +452,10 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_ToolCallsOmittedWhenNone):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None  # left out of the JSON when None
-
-    @model_serializer(mode="wrap")
-    def _drop_no_tool_calls(self, handler):
-        data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
-        return data
 
 
 class ChatCompletionStreamChoice(BaseModel):
