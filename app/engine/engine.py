@@ -325,32 +325,27 @@ class LLMEngine:
         """Sequences whose grammar compiled become schedulable; those whose compile failed finish
         with finish_reason "error" (their outputs come with this step's)."""
         ready, failed = self.structured.poll(list(self._awaiting_grammar))
-        for sid in ready:
-            self._awaiting_grammar.pop(sid).awaiting_grammar = False
-        for sid in failed:
+        for sid in (*ready, *failed):
             self._awaiting_grammar.pop(sid).awaiting_grammar = False
         if failed:
             self._undelivered += self._fail_requests(failed)
 
     def _grammar_mask(self, sampling: list[Sequence]) -> GrammarMask | None:
         """The bitmask of the constrained rows among a step's sampling sequences (row order), from
-        their matchers as they are now."""
-        rows = [(i, seq.request_id) for i, seq in enumerate(sampling)
-                if seq.request_id in self.structured and not seq.is_finished
-                and self._requests[seq.request_id].seq is seq]
+        their matchers as they are now; rows of requests finished or gone since (whose tokens are
+        dropped) go unmasked."""
+        rows = []
+        for i, seq in enumerate(sampling):
+            state = self._requests.get(seq.request_id)
+            if state is not None and state.seq is seq and not seq.is_finished and seq.request_id in self.structured:
+                rows.append((i, seq.request_id))
         filled = self.structured.fill_mask(rows) if rows else None
         return GrammarMask(*filled) if filled is not None else None
 
     def _sample_deferred(self, launched: _StepInFlight) -> None:
         """Launch the sampling of a step launched with defer_sample, now that the step before it is
-        collected and its tokens have advanced the matchers (its finished requests' rows go unmasked:
-        their tokens are dropped)."""
-        sampling = [seq if seq.request_id in self._requests and self._requests[seq.request_id].seq is seq else None
-                    for seq in launched.step.sampling]
-        rows = [(i, seq.request_id) for i, seq in enumerate(sampling)
-                if seq is not None and not seq.is_finished and seq.request_id in self.structured]
-        filled = self.structured.fill_mask(rows) if rows else None
-        self.executor.sample(launched.step, GrammarMask(*filled) if filled is not None else None)
+        collected and its tokens have advanced the matchers."""
+        self.executor.sample(launched.step, self._grammar_mask(launched.step.sampling))
 
     def _accept_tokens(self, sampled: dict[str, int], finished: set[str]) -> None:
         """Advance the matchers with the tokens this step appended. A grammar that ended (on a stop
