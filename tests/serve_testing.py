@@ -1,5 +1,7 @@
-"""Helpers of the Ray Serve tests: one local Ray + Serve per test module, apps on a free port."""
+"""Helpers of the Ray Serve tests: one local Ray + Serve per test module, apps on a free port; a
+stand-in for the LLMServer deployment's handle where the ingress's operations are tested without Ray."""
 
+import asyncio
 import contextlib
 import os
 import time
@@ -8,6 +10,35 @@ from pathlib import Path
 from bench.servers import free_port  # the benches' server helpers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeReplicaHandle:
+    """What OpenAIServing calls on an LLMServer handle, without Ray: `model_info.remote()` is a
+    future of `info`, `options(...).generate.remote(request)` what stream(request) returns."""
+
+    def __init__(self, info) -> None:
+        self.info = info  # an app.serving_types.ModelInfo
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    @property
+    def model_info(self):
+        return self
+
+    def remote(self, request=None):
+        if request is None:  # model_info
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(self.info)
+            return future
+        return self.stream(request)
+
+    def stream(self, request):
+        raise NotImplementedError
 
 
 @contextlib.contextmanager

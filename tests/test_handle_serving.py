@@ -12,6 +12,7 @@ from app.deployments.protocol import BadRequestError, CompletionStreamResponse
 from app.deployments.serving import OpenAIServing
 from app.kv_events.block_hash import hash_request_tokens
 from app.engine.outputs import RequestOutput
+from tests.serve_testing import FakeReplicaHandle
 
 BLOCK_SIZE = 4
 
@@ -42,27 +43,13 @@ class FakeStream:
         self.cancelled = True
 
 
-class FakeLLMServer:
+class FakeLLMServer(FakeReplicaHandle):
     def __init__(self, num_tokens: int = 3) -> None:
+        super().__init__(ModelInfo("tiny-llama", 256, 320, BLOCK_SIZE, "bf16", 1, 64))
         self.num_tokens = num_tokens
         self.streams: list[FakeStream] = []
 
-    def options(self, **_):
-        return self
-
-    @property
-    def generate(self):
-        return self
-
-    @property
-    def model_info(self):
-        return self
-
-    def remote(self, request=None):
-        if request is None:  # model_info
-            future = asyncio.get_running_loop().create_future()
-            future.set_result(ModelInfo("tiny-llama", 256, 320, BLOCK_SIZE, "bf16", 1, 64))
-            return future
+    def stream(self, request):
         self.streams.append(FakeStream(request, self.num_tokens))
         return self.streams[-1]
 

@@ -5,34 +5,21 @@ import asyncio
 
 from app.engine.outputs import RequestOutput
 from app.serving_types import ModelInfo
+from tests.serve_testing import FakeReplicaHandle
 
-class ScriptedLLMServer:
+
+class ScriptedLLMServer(FakeReplicaHandle):
     """An LLMServer handle whose replica answers every request with `text`, cut into `pieces` (a
     list of lengths, repeated; default 1 character a step), one output per piece, every choice the
     same; the last output is final, with `finish_reason`. `requests` holds what it was sent."""
 
     def __init__(self, text: str = "ok", pieces: list[int] | None = None, finish_reason: str = "stop",
                  max_model_len: int = 4096) -> None:
+        super().__init__(ModelInfo("tiny-llama", max_model_len, 320, 16, "bf16", 1, 4096))
         self.text, self.pieces, self.finish_reason = text, pieces or [1], finish_reason
-        self.max_model_len = max_model_len
         self.requests = []
 
-    def options(self, **_):
-        return self
-
-    @property
-    def generate(self):
-        return self
-
-    @property
-    def model_info(self):
-        return self
-
-    def remote(self, request=None):
-        if request is None:  # model_info
-            future = asyncio.get_running_loop().create_future()
-            future.set_result(ModelInfo("tiny-llama", self.max_model_len, 320, 16, "bf16", 1, 4096))
-            return future
+    def stream(self, request):
         self.requests.append(request)
         return self._outputs(request)
 
