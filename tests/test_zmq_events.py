@@ -151,13 +151,16 @@ def _wait(cond, timeout=30.0):
 
 
 def test_subscriber_keeps_up_with_10k_events_per_second_and_replays_a_dropped_batch(publisher_factory):
-    """2 s of 10k+ BlockStored/BlockRemoved events per second (each stored block re-hashed), two
-    batches dropped on the PUB socket (the wire publisher) and the first ones sent before the
-    subscription took effect: afterwards the index holds exactly the blocks still stored."""
+    """20k BlockStored/BlockRemoved events (each stored block re-hashed) published as fast as the
+    publisher goes, two batches dropped on the PUB socket (the wire publisher) and the first ones
+    sent before the subscription took effect: the subscriber takes them in at 10k+ events/s, and
+    afterwards the index holds exactly the blocks still stored. The publisher is not paced: a
+    paced one shares this process's GIL with the subscriber, and on a loaded CI host it fell
+    short of the offered rate itself (the claim is about the subscriber, ~100k events/s here)."""
     pub, ep, rep = publisher_factory()
     time.sleep(0.1)
     sub, rehasher, index, lost = _follow(ep, rep)
-    batches, per_batch, rate = 200, 100, 12_000  # 20k events over ~1.7 s
+    batches, per_batch = 200, 100  # 20k events
     if isinstance(pub, DroppingPublisher):
         pub.drop = {57, 143}
     sessions: list[list[int]] = []  # token ids of each chain stored so far
@@ -194,20 +197,12 @@ def test_subscriber_keeps_up_with_10k_events_per_second_and_replays_a_dropped_ba
             n_events += 1
         all_batches.append(events)
     t0 = time.perf_counter()
-    sent = 0
     for events in all_batches:
         pub.publish_maps(events)
-        sent += len(events)
-        # pace the publisher at `rate` events/s
-        ahead = sent / rate - (time.perf_counter() - t0)
-        if ahead > 0:
-            time.sleep(ahead)
-    publish_s = time.perf_counter() - t0
     _wait(lambda: sub.next_seq == batches)
     follow_s = time.perf_counter() - t0
     sub.close()
-    assert n_events / publish_s >= 10_000, f"published only {n_events / publish_s:.0f} events/s"
-    assert follow_s < publish_s + 2.0, f"the subscriber lagged: {follow_s:.2f} s for {publish_s:.2f} s of events"
+    assert n_events / follow_s >= 10_000, f"the subscriber took in only {n_events / follow_s:.0f} events/s"
     assert lost == [] and sub.num_lost == 0 and sub.num_bad == 0
     assert sub.num_batches == batches and sub.num_events == n_events
     if isinstance(pub, DroppingPublisher):
