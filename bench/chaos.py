@@ -326,6 +326,7 @@ def chaos_config(args):
         (app,) = config["applications"]
         app["deployments"] = [{"name": "LLMServer", "num_replicas": args.replicas}]
         app["args"]["engine"]["kv_cache_memory"] = args.kv_cache_memory
+        app["args"]["engine"]["cpu_threads"] = max(1, (os.cpu_count() or 1) // args.replicas)  # they share the cores
         # reliability, not the model, is under test: the tiny model (byte tokenizer: 1 char = 1 token)
         app["args"]["engine"]["model"] = app["args"]["model_id"] = MODEL
         app["args"]["request_timeout_s"] = args.request_timeout

@@ -63,18 +63,19 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="the engine's CPU threads (engine setting cpu_threads; 0: its default, this process's CPUs)")
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     kinds = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
     if len(kinds) > 1 and args.device.startswith("cuda") and not args.kv_cache_memory:
         ap.error("several KV formats on a GPU need --kv-cache-memory: an engine sized by free memory would "
                  "count the earlier engines' caches as used, and the formats would get different budgets")
     extra = {"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {}
+    if args.threads:
+        extra["cpu_threads"] = args.threads
     llms = {
         kind: LLM(
             model=args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,

@@ -51,6 +51,8 @@ def deploy(replicas: int, kv_router: bool, engine_overrides: dict, model_id: str
     (app,) = config["applications"]
     app["deployments"] = [{"name": "LLMServer", "num_replicas": replicas}]
     app["args"]["engine"]["model"] = "tiny-llama"  # the byte tokenizer: 1 char = 1 token (unless overridden)
+    if engine_overrides.get("backend", "native") == "native":  # the replicas share the cores
+        app["args"]["engine"]["cpu_threads"] = max(1, (os.cpu_count() or 1) // replicas)
     app["args"]["model_id"] = model_id
     app["args"]["engine"].update(engine_overrides)
     app["args"].setdefault("router", {}).update({**(router_overrides or {}), "enabled": kv_router})

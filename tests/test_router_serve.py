@@ -3,6 +3,7 @@
 
 import asyncio
 import copy
+import os
 from collections import Counter
 
 import httpx
@@ -30,6 +31,7 @@ def deploy_config(num_replicas: int = 3, **router) -> None:
     (app,) = config["applications"]
     app["deployments"] = [{"name": "LLMServer", "num_replicas": num_replicas}]
     app["args"]["engine"]["kv_cache_memory"] = "256MiB"
+    app["args"]["engine"]["cpu_threads"] = max(1, (os.cpu_count() or 1) // num_replicas)  # replicas share the cores
     app["args"]["engine"]["model"] = app["args"]["model_id"] = "tiny-llama"  # routing, not the model, is tested
     if router:
         app["args"]["router"] = router

@@ -55,6 +55,7 @@ def test_a_vllm_config_it_can_serve_builds_without_the_model_on_this_machine():
     (dict(backend="vllm", model="tiny-llama", block_size=32), "built-in dummy"),
     (dict(backend="vllm", model="/m", block_size=32, kv_cache_dtype="fp32"), "kv_cache_dtype 'fp32'"),
     (dict(backend="vllm", model="/m", block_size=32, execute_timeout_s=5), "execute_timeout_s"),
+    (dict(backend="vllm", model="/m", block_size=32, cpu_threads=2), "cpu_threads has no vLLM equivalent"),
     (dict(device="cuda", gpu_fraction=0.5, tensor_parallel_size=2), "with tensor_parallel_size 2 every worker takes"),
     (dict(device="cuda", gpu_fraction=0.5, tensor_parallel_size=2, distributed_executor_backend="ray"),
      "gpu_fraction 0.5 shares one GPU between engines of tensor_parallel_size 1"),

@@ -10,6 +10,7 @@ tp_size 1 this is the whole model in the engine's process.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -44,6 +45,19 @@ def cpu_has_bf16() -> bool:
     except OSError:
         pass
     return False
+
+
+def cpu_threads(config: EngineConfig) -> int:
+    """Torch threads of one worker's CPU compute: config.cpu_threads, else the CPUs this process may
+    run on shared among the tensor-parallel ranks (inside Ray, OMP_NUM_THREADS is the actor's CPU
+    reservation, often a fraction, so torch's own default would be one thread)."""
+    if config.cpu_threads is not None:
+        return config.cpu_threads
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // config.tensor_parallel_size)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -213,6 +227,9 @@ class ModelRunner:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.device = torch.device(device if device is not None else config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads(config))
+            logger.info("rank %d computes with %d CPU threads", tp_rank, torch.get_num_threads())
         if self.device.type == "cuda" and config.gpu_fraction is not None:
             # a share of a GPU: past it this engine's allocations fail here, not its neighbours'
             torch.cuda.set_per_process_memory_fraction(config.gpu_fraction, self.device)

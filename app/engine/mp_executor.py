@@ -45,14 +45,11 @@ SHUTDOWN_GRACE_S = 5.0
 
 
 def _worker_main(rank: int, tp_size: int, config: EngineConfig, vocab_size: int, max_model_len: int,
-                 init_method: str, backend: str, threads: int | None, conn: Connection) -> None:
-    """A worker process: load, then answer commands until told to stop or the pipe closes."""
-    import torch
-
+                 init_method: str, backend: str, conn: Connection) -> None:
+    """A worker process: load, then answer commands until told to stop or the pipe closes (a CPU
+    rank's torch threads are set by its ModelRunner: model_runner.cpu_threads)."""
     from app.engine.tp_rank import start_rank
 
-    if threads is not None:
-        torch.set_num_threads(threads)
     try:
         runner = start_rank(config, vocab_size, max_model_len, rank, tp_size, init_method, backend, cuda_index=rank)
         conn.send(("ok", {"rank": rank, "pid": os.getpid(), "device": str(runner.device),
@@ -134,16 +131,13 @@ class MultiprocExecutor(Executor):
         backend = config.distributed_backend
         if backend == "auto":
             backend = "nccl" if on_cuda else "gloo"
-        # CPU ranks share the machine's cores; on GPUs a rank needs few.
-        threads = None if on_cuda else max(1, (os.cpu_count() or 1) // tp)
         init_method = free_port_address("127.0.0.1")
         ctx = mp.get_context("spawn")
         try:
             for rank in range(tp):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, name=f"tp-worker-{rank}", daemon=True,
-                                   args=(rank, tp, config, vocab_size, max_model_len, init_method, backend,
-                                         threads, child))
+                                   args=(rank, tp, config, vocab_size, max_model_len, init_method, backend, child))
                 proc.start()
                 child.close()
                 self.procs.append(proc)
