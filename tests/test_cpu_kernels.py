@@ -109,6 +109,46 @@ def test_long_context_decode_and_shared_blocks(kv, dtype):
     assert rel_err(alone, want) < (1e-5 if f32 else 3e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv", ["bf16", "fp4"])
+def test_prefill_chunks_sharing_a_cached_prompt_attend_to_it_together(kv, dtype):
+    """Prompts that hit one cached prompt (many agents sending it at once) prefill their new tokens
+    in cascade with each other and with decodes on it: the shared blocks once for the group, each
+    chunk's own tokens causally, merged by log-sum-exp; a chunk that shares nothing runs alone. All
+    agree with the reference, and with cascade off."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, compute_dtype=dtype)
+    ext, ref = (create_kv_cache(kv, spec, 200, "cpu") for _ in range(2))
+    ref.use_cpu_kernels = False
+    gen = torch.Generator().manual_seed(2)
+    n = 1500
+    k = keys_like_llama(n, 2, 64, gen=gen).bfloat16()
+    v = torch.randn(n, 2, 64, generator=gen).bfloat16()
+    for cache in (ext, ref):
+        cache.store(0, k, v, torch.arange(n))
+    shared = list(range(60))  # 960 tokens
+    tables = [shared + list(range(100 + 3 * i, 103 + 3 * i)) for i in range(3)]  # + their own blocks
+    tables.append(list(range(90))[::-1])  # shares nothing
+    seq_lens = [960 + 15, 960 + 40, 960 + 33, 1000]
+    query_lens = [15, 40, 1, 30]  # two chunks and a decode on the shared prompt, a chunk alone
+    qsl = [0]
+    for m in query_lens:
+        qsl.append(qsl[-1] + m)
+    meta = AttentionMetadata(slot_mapping=torch.full((qsl[-1],), -1),
+                             block_tables=torch.tensor([t + [0] * (91 - len(t)) for t in tables]),
+                             seq_lens=seq_lens, query_start_loc=qsl)
+    q = torch.randn(qsl[-1], 8, 64, generator=gen).to(dtype)  # GQA 4
+    got, want = ext.attention(0, q, meta, 0.125).float(), ref.attention(0, q, meta, 0.125).float()
+    if dtype == torch.float32 or cpu_kernels.load().has_prefill_bf16():
+        assert ext._cascade_step[1] == [([0, 1, 2], 60)]
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i in range(4):
+        assert rel_err(got[qsl[i]:qsl[i + 1]], want[qsl[i]:qsl[i + 1]]) < tol, i
+    ext.cascade_min_tokens = 0
+    ext._cascade_step = None
+    alone = ext.attention(0, q, meta, 0.125).float()
+    assert rel_err(alone, want) < tol
+
+
 def test_store_refuses_non_finite_and_writes_nothing():
     spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, compute_dtype=torch.bfloat16)
     for kv in ("fp4", "fp8"):

@@ -241,30 +241,35 @@ class KVCache(ABC):
                                           torch.empty(shape, dtype=dtype, device=self.device))
         return have
 
-    def _shared_prefixes(self, meta, rows: list[int], seq_lens: list[int]) -> list[tuple[list[int], int]]:
-        """Groups of decoding sequences whose block tables start with the same full blocks (prefix-
-        cache hits on one prompt): [(sequences, shared blocks)], each with >= 2 sequences sharing
-        >= cascade_min_tokens tokens. Computed once per step (every layer reuses it)."""
+    def _shared_prefixes(self, meta, query_lens: list[int], seq_lens: list[int]) -> list[tuple[list[int], int]]:
+        """Groups of sequences, decodes and prefill chunks alike, whose block tables start with the
+        same full blocks before their first new token (prefix-cache hits on one prompt): [(sequences,
+        shared blocks)], each with >= 2 sequences sharing >= cascade_min_tokens tokens. Computed once
+        per step (every layer reuses it)."""
         if self.cascade_min_tokens <= 0:
             return []
         if self._cascade_step is not None and self._cascade_step[0] is meta:
             return self._cascade_step[1]
         bs = self.spec.block_size
-        decodes = [i for i, r in enumerate(rows) if r >= 0 and (seq_lens[i] - 1) // bs * bs >= self.cascade_min_tokens]
+
+        def cached_blocks(i):  # full blocks before the sequence's first new token
+            return (seq_lens[i] - query_lens[i]) // bs
+
+        seqs = [i for i, n in enumerate(query_lens) if n >= 1 and cached_blocks(i) * bs >= self.cascade_min_tokens]
         groups = []
-        if len(decodes) >= 2:
-            tables = meta.block_tables[decodes]
+        if len(seqs) >= 2:
+            tables = meta.block_tables[seqs]
             by_first: dict[int, list[int]] = {}
             for j, b in enumerate(tables[:, 0].tolist()):
                 by_first.setdefault(b, []).append(j)
             for js in by_first.values():
                 if len(js) < 2:
                     continue
-                cap = min((seq_lens[decodes[j]] - 1) // bs for j in js)  # full blocks before each new token's
+                cap = min(cached_blocks(seqs[j]) for j in js)
                 sub = tables[js, :cap]
                 shared = int((sub == sub[0]).all(0).int().cumprod(0).sum())
                 if shared * bs >= self.cascade_min_tokens:
-                    groups.append(([decodes[j] for j in js], shared))
+                    groups.append(([seqs[j] for j in js], shared))
         self._cascade_step = (meta, groups)
         return groups
 
@@ -272,11 +277,14 @@ class KVCache(ABC):
         """The CPU extension: decodes in one fused call, each prefill chunk over its blocks gathered
         once (dequantized into the compute dtype) by the extension's or torch's flash kernel.
 
-        Cascade decoding (bf16 on CPUs with AVX512-BF16): decodes that share prefix blocks attend to
-        them together, the prefix gathered (dequantized) once and all their query rows run through
-        the prefill kernel as one matrix product; each then attends to its own remaining tokens and
-        the two halves merge by log-sum-exp. Without it every sequence re-reads (and, quantized,
-        re-dequantizes) the shared prompt at every step."""
+        Cascade attention (bf16 on CPUs with AVX512-BF16, and float32): sequences that share prefix
+        blocks before their new tokens (decodes, and prefill chunks of prompts that hit one cached
+        prompt) attend to them together, the prefix gathered (dequantized) once and all their query
+        rows run through the prefill kernel as one matrix product; each then attends to its own
+        remaining tokens (a decode through the decode kernel, a prefill chunk causally) and the two
+        halves merge by log-sum-exp. Without it every sequence re-reads (and, quantized,
+        re-dequantizes and repacks) the shared prompt in every layer of every step: 250 agents
+        sending one 3,247-token prompt at once did so 128 times per prefill step."""
         from app.kernels import cpu_kernels
 
         out = torch.empty_like(query)
@@ -285,30 +293,47 @@ class KVCache(ABC):
         bs = self.spec.block_size
         seq_lens_t = meta.seq_lens_tensor
         seq_lens, qsl = seq_lens_t.tolist(), meta.query_start_loc_tensor.tolist()
-        rows = [qsl[i] if qsl[i + 1] - qsl[i] == 1 else -1 for i in range(len(seq_lens))]
+        query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
+        done = [False] * len(seq_lens)
         if cpu_kernels.has_prefix_attention(query):
-            for members, shared in self._shared_prefixes(meta, rows, seq_lens):
-                q = query[[rows[i] for i in members]]
+            for members, shared in self._shared_prefixes(meta, query_lens, seq_lens):
+                starts = [0]  # each member's first row in q
+                for i in members:
+                    starts.append(starts[-1] + query_lens[i])
+                rows = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in members])
+                q = query[rows]
                 ids = meta.block_tables[members[0], :shared]
                 k = cpu_kernels.gather(k_pages, k_fmt, ids, query.dtype)
                 v = cpu_kernels.gather(v_pages, v_fmt, ids, query.dtype)
                 out_pre, lse_pre = cpu_kernels.prefix_attention(q, k, v, scale)
                 out_own = torch.empty(q.shape, dtype=torch.float32)
                 lse_own = torch.empty(q.shape[:2], dtype=torch.float32)
-                own_lens = torch.tensor([seq_lens[i] - shared * bs for i in members])
-                cpu_kernels.decode(q, k_pages, v_pages, self.kernel_formats, meta.block_tables[members][:, shared:],
-                                   own_lens, torch.arange(len(members)), scale, out_own, lse_own)
-                out[[rows[i] for i in members]] = cpu_kernels.merge_attention(
-                    out_pre, lse_pre, out_own, lse_own).to(query.dtype)
+                decodes = [j for j, i in enumerate(members) if query_lens[i] == 1]
+                if decodes:
+                    seqs = [members[j] for j in decodes]
+                    own_lens = torch.tensor([seq_lens[i] - shared * bs for i in seqs])
+                    cpu_kernels.decode(q, k_pages, v_pages, self.kernel_formats, meta.block_tables[seqs][:, shared:],
+                                       own_lens, torch.tensor([starts[j] for j in decodes]), scale, out_own, lse_own)
+                for j, i in enumerate(members):
+                    if query_lens[i] == 1:
+                        continue
+                    own = seq_lens[i] - shared * bs
+                    ids = meta.block_tables[i, shared:cdiv(seq_lens[i], bs)]
+                    k = cpu_kernels.gather(k_pages, k_fmt, ids, query.dtype)[:own]
+                    v = cpu_kernels.gather(v_pages, v_fmt, ids, query.dtype)[:own]
+                    a, b = starts[j], starts[j + 1]
+                    out_own[a:b], lse_own[a:b] = cpu_kernels.prefill(q[a:b], k, v, scale, with_lse=True)
+                out[rows] = cpu_kernels.merge_attention(out_pre, lse_pre, out_own, lse_own).to(query.dtype)
                 for i in members:
-                    rows[i] = -1  # done
+                    done[i] = True
+        rows = [qsl[i] if query_lens[i] == 1 and not done[i] else -1 for i in range(len(seq_lens))]
         if any(r >= 0 for r in rows):
             cpu_kernels.decode(query, k_pages, v_pages, self.kernel_formats, meta.block_tables, seq_lens_t,
-                                 torch.tensor(rows), scale, out)
+                               torch.tensor(rows), scale, out)
         for i, seq_len in enumerate(seq_lens):
             start, end = qsl[i], qsl[i + 1]
-            if end - start <= 1:
-                continue  # a decode (done above) or nothing
+            if end - start <= 1 or done[i]:
+                continue  # a decode (done above), nothing, or cascaded
             block_ids = meta.block_tables[i, : cdiv(seq_len, bs)]
             k = cpu_kernels.gather(k_pages, k_fmt, block_ids, query.dtype)[:seq_len]
             v = cpu_kernels.gather(v_pages, v_fmt, block_ids, query.dtype)[:seq_len]

@@ -150,8 +150,10 @@ def _heads_first(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.unsqueeze(0)
 
 
-def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [nq, H, D] at the last nq of key/value's [nk, KVH, D] positions, causal; -> [nq, H, D].
+def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, with_lse: bool = False):
+    """query [nq, H, D] at the last nq of key/value's [nk, KVH, D] positions, causal; -> [nq, H, D]
+    in the query's dtype, or with_lse: (out [nq, H, D] float32, lse [nq, H] float32), for merging
+    with attention over other keys (the own-tokens half of a cascaded prefill chunk).
 
     In bf16, where the CPU has AVX512-BF16 and head_dim is a multiple of 64 (up to 256), the
     extension's own flash loop (`prefill_bf16`: bf16 pair dot products accumulated in float32, 2.4x
@@ -166,9 +168,13 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
     nq, heads, head_dim = query.shape
     nk, kv_heads, _ = key.shape
     if query.dtype == torch.bfloat16 and head_dim % 64 == 0 and head_dim <= 256 and load().has_prefill_bf16():
-        out = torch.empty_like(query)
-        load().prefill_bf16(out, query.contiguous(), key.contiguous(), value.contiguous(), scale, True, _NO_LSE)
-        return out
+        if with_lse:
+            out = torch.empty(query.shape, dtype=torch.float32)
+            lse = torch.empty(query.shape[:2], dtype=torch.float32)
+        else:
+            out, lse = torch.empty_like(query), _NO_LSE
+        load().prefill_bf16(out, query.contiguous(), key.contiguous(), value.contiguous(), scale, True, lse)
+        return (out, lse) if with_lse else out
     group = heads // kv_heads
     pad = PAD if query.dtype != torch.float32 else 1
 
@@ -185,16 +191,18 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
     n_own = -(-(extra + nq) // pad) * pad
     own, own_lse = _flash(padded(q, extra, n_own), padded(k[:, :, cut:], 0, n_own), padded(v[:, :, cut:], 0, n_own),
                           0.0, True, scale=scale)
-    own, own_lse = own[:, :, extra:extra + nq], own_lse[:, :, extra:extra + nq]
+    own, own_lse = own[:, :, extra:extra + nq], own_lse[:, :, extra:extra + nq].float()
     if cut:
         n_q = -(-nq // pad) * pad
         prev, prev_lse = _flash(padded(q, 0, n_q), k[:, :, :cut], v[:, :, :cut], 0.0, False, scale=scale)
-        prev, prev_lse = prev[:, :, :nq], prev_lse[:, :, :nq]
+        prev, prev_lse = prev[:, :, :nq], prev_lse[:, :, :nq].float()
         m = torch.maximum(own_lse, prev_lse)
         w_own, w_prev = (own_lse - m).exp(), (prev_lse - m).exp()
-        merged = (own.float() * w_own[..., None] + prev.float() * w_prev[..., None]) / (w_own + w_prev)[..., None]
-        own = merged.to(query.dtype)
-    return own[0].transpose(0, 1)
+        own = (own.float() * w_own[..., None] + prev.float() * w_prev[..., None]) / (w_own + w_prev)[..., None]
+        own_lse = m + (w_own + w_prev).log()
+    if with_lse:
+        return own[0].transpose(0, 1).float(), own_lse[0].transpose(0, 1).contiguous()
+    return own[0].transpose(0, 1).to(query.dtype)
 
 
 def has_prefix_attention(query: torch.Tensor) -> bool:
