@@ -153,11 +153,12 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of identical prefixes.")
     device: str = Field("cpu", description="Torch device: 'cpu', 'cuda', 'cuda:1', ...")
     cpu_threads: int | None = Field(
-        None, ge=1, le=1024, description="Torch threads of each worker's CPU compute (device 'cpu' only). "
-        "Default (null): the CPUs the process may run on (its affinity mask) divided by tensor_parallel_size. "
-        "Set it explicitly to the cores each replica should use when several replicas share one CPU node "
-        "(e.g. 1 for two replicas on 2 cores). The engine sets it itself because Ray sets OMP_NUM_THREADS to "
-        "an actor's CPU reservation, which would leave a replica reserving 0.2 CPUs computing on one core.",
+        None, ge=1, le=1024, description="Torch threads of each worker's CPU compute (device 'cpu' only; set for "
+        "the whole process, as torch.set_num_threads does). Default (null): the physical cores the process may run "
+        "on (its affinity mask) divided by tensor_parallel_size. Set it explicitly to the cores each replica "
+        "should use when several replicas share one CPU node (e.g. 1 for two replicas on 2 cores). The engine "
+        "sets it itself because Ray sets OMP_NUM_THREADS to an actor's CPU reservation, rounded up to 1 for a "
+        "replica reserving 0.2 CPUs, which left it computing on one core.",
     )
     enforce_eager: bool = Field(
         False, description="Never use CUDA graphs. Default: on CUDA, decode-only steps replay a CUDA graph "

@@ -37,6 +37,8 @@ from app.engine.models.decoder import apply_rope, rope_cos_sin
 from app.kernels import fp4, fp8
 from app.kernels.attention_ref import causal_attention_ref
 
+THREADS = 2  # torch threads of every run (recorded in the output)
+
 REPO = Path(__file__).resolve().parent.parent
 EVAL_TEXT = REPO / "tests/data/tinystories_eval.txt"
 HEAD_DIM = 128
@@ -171,7 +173,7 @@ def size_cells(kind: str, opts: dict | None) -> list:
 def make_llm(kind: str, opts: dict | None, stories_dir: Path) -> LLM:
     extra = {"fp4": FP4Config(**opts)} if opts is not None else {}
     return LLM(model=str(stories_dir / "stories260K.bin"), tokenizer=str(stories_dir / "tok512.bin"),
-               kv_cache_dtype=kind, **extra)
+               kv_cache_dtype=kind, cpu_threads=THREADS, **extra)
 
 
 @torch.inference_mode()
@@ -254,7 +256,7 @@ def real_model_llm(kind: str, opts: dict | None, chunk: int) -> LLM:
     window is scored through its own cache blocks)."""
     extra = {"fp4": FP4Config(**opts)} if opts is not None else {}
     return LLM(model=REAL_MODEL, kv_cache_dtype=kind, max_num_batched_tokens=chunk, enable_prefix_caching=False,
-               **extra)
+               cpu_threads=THREADS, **extra)
 
 
 def heldout_scores(llm: LLM, num_tokens: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -478,7 +480,7 @@ def main() -> None:
         ap.error(f"--num-prompts must be in [1, {len(PROMPTS)}] (got {args.num_prompts})")
     if min(args.contexts) <= SYN_QUERIES:
         ap.error(f"--contexts must all be > {SYN_QUERIES} (got {args.contexts})")
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)  # the engines set the same (cpu_threads)
     torch.manual_seed(0)
     start = time.perf_counter()
     out = {"command": " ".join(sys.argv), "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "

@@ -1,9 +1,10 @@
-"""A CPU engine computes on the CPUs it may run on, also inside a Ray actor.
+"""A CPU engine computes on the cores it may run on, also inside a Ray worker.
 
 Ray sets OMP_NUM_THREADS to an actor's CPU reservation (1 for the 0.2 CPUs of a CPU LLMServer
 replica), and torch starts with that many threads: the serving default computed on one core of
 the machine while the engine alone used them all. The engine sets torch's threads itself
-(engine.cpu_threads, default: the process's affinity mask divided by tensor_parallel_size)."""
+(engine.cpu_threads, default: the physical cores of the process's affinity mask divided by
+tensor_parallel_size). The task below reserves 0.2 CPUs, as a CPU replica does."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import os
 
 import pytest
 import ray
+
+from app.engine.model_runner import physical_cores
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def engine_threads(**settings) -> tuple[str | None, int, int]:
 def test_a_replica_reserving_a_fraction_of_a_cpu_computes_on_all_it_may_use(ray_two_cpus):
     omp, before, after = ray.get(engine_threads.remote())
     assert omp == "1" and before == 1  # what Ray gives the actor
-    assert after == len(os.sched_getaffinity(0))
+    assert after == physical_cores()
 
 
 def test_cpu_threads_sets_them(ray_two_cpus):

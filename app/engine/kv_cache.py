@@ -255,7 +255,8 @@ class KVCache(ABC):
         def cached_blocks(i):  # full blocks before the sequence's first new token
             return (seq_lens[i] - query_lens[i]) // bs
 
-        seqs = [i for i, n in enumerate(query_lens) if n >= 1 and cached_blocks(i) * bs >= self.cascade_min_tokens]
+        min_blocks = -(-self.cascade_min_tokens // bs)
+        seqs = [i for i, n in enumerate(query_lens) if n >= 1 and cached_blocks(i) >= min_blocks]
         groups = []
         if len(seqs) >= 2:
             tables = meta.block_tables[seqs]
@@ -263,14 +264,33 @@ class KVCache(ABC):
             for j, b in enumerate(tables[:, 0].tolist()):
                 by_first.setdefault(b, []).append(j)
             for js in by_first.values():
-                if len(js) < 2:
-                    continue
-                cap = min(cached_blocks(seqs[j]) for j in js)
-                sub = tables[js, :cap]
-                shared = int((sub == sub[0]).all(0).int().cumprod(0).sum())
-                if shared * bs >= self.cascade_min_tokens:
-                    groups.append(([seqs[j] for j in js], shared))
+                groups += self._split_by_shared_blocks([seqs[j] for j in js], tables[js],
+                                                       [cached_blocks(seqs[j]) for j in js], min_blocks)
         self._cascade_step = (meta, groups)
+        return groups
+
+    @staticmethod
+    def _split_by_shared_blocks(seqs: list[int], tables: torch.Tensor, caps: list[int], min_blocks: int
+                                ) -> list[tuple[list[int], int]]:
+        """Sequences whose tables start alike, split so that one that shares little does not cut the
+        others' shared part (a newcomer sharing a 256-token system prompt with 200 decodes on one
+        3,247-token prompt would make their group's prefix 16 blocks instead of 202): the anchor is
+        the one with the most cached blocks, its group those sharing the longest prefix any other
+        shares with it (capped by their own cached blocks); the rest are split the same way. A
+        group's members then read a shorter prefix they share with the rest once more, alone."""
+        groups = []
+        left = list(range(len(seqs)))
+        while len(left) >= 2:
+            anchor = max(left, key=lambda j: caps[j])
+            width = caps[anchor]
+            same = (tables[left, :width] == tables[anchor, :width]).int().cumprod(1).sum(1).tolist()
+            lcp = {j: min(n, caps[j]) for n, j in zip(same, left)}
+            longest = max(lcp[j] for j in left if j != anchor)
+            if longest < min_blocks:  # the anchor shares too little with all of them: the others may still group
+                left.remove(anchor)
+                continue
+            groups.append(([seqs[j] for j in left if lcp[j] >= longest], longest))
+            left = [j for j in left if lcp[j] < longest]
         return groups
 
     def _attend_cpu(self, layer, query, meta, scale) -> torch.Tensor:

@@ -47,17 +47,32 @@ def cpu_has_bf16() -> bool:
     return False
 
 
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (Linux: the affinity mask, each CPU's
+    package and core id from sysfs, so SMT siblings count once, as torch's own default does);
+    the logical count where the topology is not readable."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(topology + "physical_package_id") as pkg, open(topology + "core_id") as core:
+                cores.add((pkg.read().strip(), core.read().strip()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
+
+
 def cpu_threads(config: EngineConfig) -> int:
-    """Torch threads of one worker's CPU compute: config.cpu_threads, else the CPUs this process may
-    run on shared among the tensor-parallel ranks (inside Ray, OMP_NUM_THREADS is the actor's CPU
-    reservation, often a fraction, so torch's own default would be one thread)."""
+    """Torch threads of one worker's CPU compute: config.cpu_threads, else the physical cores this
+    process may run on shared among the tensor-parallel ranks (inside Ray, OMP_NUM_THREADS is the
+    actor's CPU reservation, often a fraction, so torch's own default would be one thread)."""
     if config.cpu_threads is not None:
         return config.cpu_threads
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // config.tensor_parallel_size)
+    return max(1, physical_cores() // config.tensor_parallel_size)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -217,7 +217,7 @@ def has_prefix_attention(query: torch.Tensor) -> bool:
 
 def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float):
     """Every row of query [n, H, D] attends to all of key/value [nk, KVH, D] (the query's dtype), no
-    mask: -> (out [n, H, D] float32, lse [n, H] float32). The shared-prefix half of cascade decoding.
+    mask: -> (out [n, H, D] float32, lse [n, H] float32). The shared-prefix half of cascade attention.
     bf16: the extension's loop; float32: torch's flash kernel, which returns the log-sum-exp too."""
     if query.dtype == torch.float32:
         group = query.shape[1] // key.shape[1]
