@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from app import LLM, SamplingParams
-from app.engine.errors import InvalidRequestError
+from app.engine.errors import InvalidRequestError, KVCacheAllocationError
 from app.kv_events.schema import BlockRemoved, BlockStored
 
 from conftest import STORIES_GREEDY
@@ -338,3 +338,14 @@ def test_unread_kv_events_are_bounded(monkeypatch, stories_paths):
         engine.step()
     assert engine.num_kv_events_dropped > 0
     assert len(engine.take_kv_events()) == 5 and engine.take_kv_events() == []
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp4"])
+def test_a_kv_cache_that_cannot_be_allocated_fails_the_start_naming_its_settings(kv):
+    """A KV cache larger than the address space (10^11 blocks: hundreds of TB, so the allocation fails
+    on any machine, whatever its overcommit policy) stops the engine's start at once with a typed
+    error that gives the size and names the settings to change, not the allocator's bare message."""
+    with pytest.raises(KVCacheAllocationError, match=r"100000000000 blocks of 16 tokens .*GiB of host memory; "
+                       r"lower engine\.kv_cache_memory or engine\.num_kv_blocks") as info:
+        LLM(model="tiny-llama", kv_cache_dtype=kv, num_kv_blocks=10**11)
+    assert "allocate" in str(info.value.__cause__)

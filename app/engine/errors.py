@@ -20,3 +20,8 @@ class RequestFailedError(RuntimeError):
 
 class RequestTimeoutError(RuntimeError):
     """The request ran past its deadline (request_timeout_s) and was aborted; its KV blocks are freed."""
+
+
+class KVCacheAllocationError(MemoryError):
+    """The KV cache could not be allocated when the engine started; the message names its size and
+    the settings that set it (kv_cache_memory, num_kv_blocks, gpu_memory_utilization, ...)."""

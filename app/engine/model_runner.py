@@ -19,6 +19,7 @@ import torch
 
 from app.config import EngineConfig
 from app.engine.attention import AttentionMetadata
+from app.engine.errors import KVCacheAllocationError
 from app.engine.input_batch import InputBuffers
 from app.engine.kv_cache import KVCache, KVCacheSpec, create_kv_cache, kv_bytes_per_token, scratch_bytes
 from app.engine.kv_cache_manager import cdiv
@@ -282,19 +283,40 @@ class ModelRunner:
         self.sync_timings = False
         self.last_timing: dict = {}
 
+    def _allocation_failure(self, num_blocks: int, error: BaseException) -> str:
+        c = self.config
+        size = num_blocks * c.block_size * self.kv_bytes_per_token
+        where = "GPU" if self.device.type == "cuda" else "host"
+        fix = ("lower engine.gpu_memory_utilization or set a smaller engine.kv_cache_memory (other processes may "
+               "hold memory on this GPU)" if self.device.type == "cuda" and c.kv_cache_memory is None
+               and c.num_kv_blocks is None else "lower engine.kv_cache_memory or engine.num_kv_blocks")
+        return (f"could not allocate the KV cache on {self.device}: {num_blocks} blocks of {c.block_size} tokens x "
+                f"{self.kv_bytes_per_token} bytes per token ({c.kv_cache_dtype}) = {size / 2**30:.2f} GiB of {where} "
+                f"memory; {fix}, or max_num_seqs / max_model_len (the cache never holds more than max_num_seqs "
+                f"full-length requests). {type(error).__name__}: {str(error)[:200]}")
+
     def num_kv_blocks_fit(self, max_model_len: int) -> int:
         return fit_num_kv_blocks(self.config, self.kv_bytes_per_token, self.device, max_model_len,
                                  scratch_bytes(self.config.kv_cache_dtype, self.kv_spec, self.device, max_model_len))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache and the step buffers, then capture the decode graphs (CUDA)."""
-        self.kv_cache = create_kv_cache(self.config.kv_cache_dtype, self.kv_spec, num_blocks, self.device,
-                                        self.fp4_formats)
+        """Allocate the KV cache and the step buffers, then capture the decode graphs (CUDA). Raises
+        KVCacheAllocationError, naming the settings that size the cache, if the memory is not there."""
         c = self.config
-        self.buffers = InputBuffers(max(c.max_num_batched_tokens, c.max_num_seqs), c.max_num_seqs,
-                                    cdiv(self.max_model_len, c.block_size), self.device)
-        if self.device.type == "cuda" and self.kv_cache.kernels_enabled():
-            self.kv_cache.reserve_scratch(self.max_model_len)  # claimed now, within the budget above
+        try:
+            self.kv_cache = create_kv_cache(c.kv_cache_dtype, self.kv_spec, num_blocks, self.device, self.fp4_formats)
+            self.buffers = InputBuffers(max(c.max_num_batched_tokens, c.max_num_seqs), c.max_num_seqs,
+                                        cdiv(self.max_model_len, c.block_size), self.device)
+            if self.device.type == "cuda" and self.kv_cache.kernels_enabled():
+                self.kv_cache.reserve_scratch(self.max_model_len)  # claimed now, within the budget above
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            self.kv_cache = self.buffers = None
+            raise KVCacheAllocationError(self._allocation_failure(num_blocks, e)) from e
+        except RuntimeError as e:  # the CPU allocator's failure is a plain RuntimeError
+            if "allocate" not in str(e):
+                raise
+            self.kv_cache = self.buffers = None
+            raise KVCacheAllocationError(self._allocation_failure(num_blocks, e)) from e
         if self.device.type == "cpu":
             # Build (first use on this machine, ~35 s) or load the CPU extension now, while the
             # engine starts, not inside the first request's deadline.
