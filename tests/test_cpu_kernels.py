@@ -72,6 +72,32 @@ def test_cpu_extension_matches_the_torch_reference(name, head_dim, block_size, n
         computed = [c + n for c, n in zip(computed, new)]
 
 
+def _filled_caches(kv, dtype, num_blocks, n, seed):
+    """The extension's cache and the torch reference's (one layer, 2 KV heads of 64, blocks of 16),
+    both holding the same n tokens of Llama-like keys at slots 0..n-1; -> (ext, ref, generator)."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, compute_dtype=dtype)
+    ext, ref = (create_kv_cache(kv, spec, num_blocks, "cpu") for _ in range(2))
+    ref.use_cpu_kernels = False
+    gen = torch.Generator().manual_seed(seed)
+    k = keys_like_llama(n, 2, 64, gen=gen).bfloat16()
+    v = torch.randn(n, 2, 64, generator=gen).bfloat16()
+    for cache in (ext, ref):
+        cache.store(0, k, v, torch.arange(n))
+    return ext, ref, gen
+
+
+def _step_meta(tables, seq_lens, query_lens):
+    """A step's metadata over pages already written (nothing stored): -> (meta, query_start_loc)."""
+    qsl = [0]
+    for m in query_lens:
+        qsl.append(qsl[-1] + m)
+    width = max(map(len, tables))
+    meta = AttentionMetadata(slot_mapping=torch.full((qsl[-1],), -1),
+                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                             seq_lens=seq_lens, query_start_loc=qsl)
+    return meta, qsl
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kv", ["bf16", "fp8", "fp4"])
 def test_long_context_decode_and_shared_blocks(kv, dtype):
@@ -79,23 +105,12 @@ def test_long_context_decode_and_shared_blocks(kv, dtype):
     pair sharing the most decodes in cascade (the shared blocks once for the group, merged with each one's own
     tokens by log-sum-exp; bf16 compute needs AVX512-BF16, float32 runs on any CPU), the others
     alone; both agree with the reference."""
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, compute_dtype=dtype)
-    ext, ref = (create_kv_cache(kv, spec, 200, "cpu") for _ in range(2))
-    ref.use_cpu_kernels = False
-    gen = torch.Generator().manual_seed(1)
-    n = 1300
-    k = keys_like_llama(n, 2, 64, gen=gen).bfloat16()
-    v = torch.randn(n, 2, 64, generator=gen).bfloat16()
-    for cache in (ext, ref):
-        cache.store(0, k, v, torch.arange(n))
+    ext, ref, gen = _filled_caches(kv, dtype, 200, 1300, seed=1)
     shared = list(range(60))  # 960 tokens
     tables = [shared + list(range(100 + 20 * i, 100 + 20 * i + 22)) for i in range(3)]
     tables[2] = list(range(81))[::-1]  # no sharing
     tables.append(shared[:30] + list(range(140, 160)))  # shares 30 of the blocks, ends in a partial block
-    seq_lens = [1200, 1290, 1296, 790]
-    meta = AttentionMetadata(slot_mapping=torch.full((4,), -1),
-                             block_tables=torch.tensor([t + [0] * (82 - len(t)) for t in tables]),
-                             seq_lens=seq_lens, query_start_loc=[0, 1, 2, 3, 4])
+    meta, _ = _step_meta(tables, [1200, 1290, 1296, 790], [1, 1, 1, 1])
     q = torch.randn(4, 8, 64, generator=gen).to(dtype)  # GQA 4
     got, want = ext.attention(0, q, meta, 0.125).float(), ref.attention(0, q, meta, 0.125).float()
     if dtype == torch.float32 or cpu_kernels.load().has_prefill_bf16():
@@ -116,26 +131,12 @@ def test_prefill_chunks_sharing_a_cached_prompt_attend_to_it_together(kv, dtype)
     in cascade with each other and with decodes on it: the shared blocks once for the group, each
     chunk's own tokens causally, merged by log-sum-exp; a chunk that shares nothing runs alone. All
     agree with the reference, and with cascade off."""
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, compute_dtype=dtype)
-    ext, ref = (create_kv_cache(kv, spec, 200, "cpu") for _ in range(2))
-    ref.use_cpu_kernels = False
-    gen = torch.Generator().manual_seed(2)
-    n = 1500
-    k = keys_like_llama(n, 2, 64, gen=gen).bfloat16()
-    v = torch.randn(n, 2, 64, generator=gen).bfloat16()
-    for cache in (ext, ref):
-        cache.store(0, k, v, torch.arange(n))
+    ext, ref, gen = _filled_caches(kv, dtype, 200, 1500, seed=2)
     shared = list(range(60))  # 960 tokens
     tables = [shared + list(range(100 + 3 * i, 103 + 3 * i)) for i in range(3)]  # + their own blocks
     tables.append(list(range(90))[::-1])  # shares nothing
-    seq_lens = [960 + 15, 960 + 40, 960 + 33, 1000]
-    query_lens = [15, 40, 1, 30]  # two chunks and a decode on the shared prompt, a chunk alone
-    qsl = [0]
-    for m in query_lens:
-        qsl.append(qsl[-1] + m)
-    meta = AttentionMetadata(slot_mapping=torch.full((qsl[-1],), -1),
-                             block_tables=torch.tensor([t + [0] * (91 - len(t)) for t in tables]),
-                             seq_lens=seq_lens, query_start_loc=qsl)
+    # two chunks and a decode on the shared prompt, a chunk alone
+    meta, qsl = _step_meta(tables, [960 + 15, 960 + 40, 960 + 33, 1000], [15, 40, 1, 30])
     q = torch.randn(qsl[-1], 8, 64, generator=gen).to(dtype)  # GQA 4
     got, want = ext.attention(0, q, meta, 0.125).float(), ref.attention(0, q, meta, 0.125).float()
     if dtype == torch.float32 or cpu_kernels.load().has_prefill_bf16():
@@ -154,27 +155,12 @@ def test_a_sequence_sharing_less_does_not_shrink_the_others_cascade():
     newcomer that shares only the system prompt: A's pair cascades over its 60 blocks, B's over its
     45, the newcomer attends alone (it would have cut every group to 20 blocks); all agree with the
     reference."""
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, compute_dtype=torch.float32)
-    ext, ref = (create_kv_cache("fp4", spec, 300, "cpu") for _ in range(2))
-    ref.use_cpu_kernels = False
-    gen = torch.Generator().manual_seed(3)
-    n = 300 * 16
-    k = keys_like_llama(n, 2, 64, gen=gen).bfloat16()
-    v = torch.randn(n, 2, 64, generator=gen).bfloat16()
-    for cache in (ext, ref):
-        cache.store(0, k, v, torch.arange(n))
+    ext, ref, gen = _filled_caches("fp4", torch.float32, 300, 300 * 16, seed=3)
     system = list(range(20))
     a, b = system + list(range(20, 60)), system + list(range(100, 125))
     tables = [a + [200, 201], a + [202], b + [203], b + [204, 205], system + [206, 207]]
-    seq_lens = [60 * 16 + 20, 60 * 16 + 1, 45 * 16 + 1, 45 * 16 + 30, 20 * 16 + 20]
-    query_lens = [20, 1, 1, 14, 20]
-    qsl = [0]
-    for m in query_lens:
-        qsl.append(qsl[-1] + m)
-    width = max(map(len, tables))
-    meta = AttentionMetadata(slot_mapping=torch.full((qsl[-1],), -1),
-                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                             seq_lens=seq_lens, query_start_loc=qsl)
+    meta, qsl = _step_meta(tables, [60 * 16 + 20, 60 * 16 + 1, 45 * 16 + 1, 45 * 16 + 30, 20 * 16 + 20],
+                           [20, 1, 1, 14, 20])
     q = torch.randn(qsl[-1], 4, 64, generator=gen)
     got, want = ext.attention(0, q, meta, 0.125), ref.attention(0, q, meta, 0.125)
     assert ext._cascade_step[1] == [([0, 1], 60), ([2, 3], 45)]

@@ -315,6 +315,12 @@ class KVCache(ABC):
         seq_lens, qsl = seq_lens_t.tolist(), meta.query_start_loc_tensor.tolist()
         query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
         done = [False] * len(seq_lens)
+
+        def dense(block_ids, num_tokens=None):  # the blocks' K and V gathered (dequantized), cut to num_tokens
+            k = cpu_kernels.gather(k_pages, k_fmt, block_ids, query.dtype)
+            v = cpu_kernels.gather(v_pages, v_fmt, block_ids, query.dtype)
+            return (k, v) if num_tokens is None else (k[:num_tokens], v[:num_tokens])
+
         if cpu_kernels.has_prefix_attention(query):
             for members, shared in self._shared_prefixes(meta, query_lens, seq_lens):
                 starts = [0]  # each member's first row in q
@@ -322,10 +328,7 @@ class KVCache(ABC):
                     starts.append(starts[-1] + query_lens[i])
                 rows = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in members])
                 q = query[rows]
-                ids = meta.block_tables[members[0], :shared]
-                k = cpu_kernels.gather(k_pages, k_fmt, ids, query.dtype)
-                v = cpu_kernels.gather(v_pages, v_fmt, ids, query.dtype)
-                out_pre, lse_pre = cpu_kernels.prefix_attention(q, k, v, scale)
+                out_pre, lse_pre = cpu_kernels.prefix_attention(q, *dense(meta.block_tables[members[0], :shared]), scale)
                 out_own = torch.empty(q.shape, dtype=torch.float32)
                 lse_own = torch.empty(q.shape[:2], dtype=torch.float32)
                 decodes = [j for j, i in enumerate(members) if query_lens[i] == 1]
@@ -337,10 +340,7 @@ class KVCache(ABC):
                 for j, i in enumerate(members):
                     if query_lens[i] == 1:
                         continue
-                    own = seq_lens[i] - shared * bs
-                    ids = meta.block_tables[i, shared:cdiv(seq_lens[i], bs)]
-                    k = cpu_kernels.gather(k_pages, k_fmt, ids, query.dtype)[:own]
-                    v = cpu_kernels.gather(v_pages, v_fmt, ids, query.dtype)[:own]
+                    k, v = dense(meta.block_tables[i, shared:cdiv(seq_lens[i], bs)], seq_lens[i] - shared * bs)
                     a, b = starts[j], starts[j + 1]
                     out_own[a:b], lse_own[a:b] = cpu_kernels.prefill(q[a:b], k, v, scale, with_lse=True)
                 out[rows] = cpu_kernels.merge_attention(out_pre, lse_pre, out_own, lse_own).to(query.dtype)
@@ -354,9 +354,7 @@ class KVCache(ABC):
             start, end = qsl[i], qsl[i + 1]
             if end - start <= 1 or done[i]:
                 continue  # a decode (done above), nothing, or cascaded
-            block_ids = meta.block_tables[i, : cdiv(seq_len, bs)]
-            k = cpu_kernels.gather(k_pages, k_fmt, block_ids, query.dtype)[:seq_len]
-            v = cpu_kernels.gather(v_pages, v_fmt, block_ids, query.dtype)[:seq_len]
+            k, v = dense(meta.block_tables[i, : cdiv(seq_len, bs)], seq_len)
             out[start:end] = cpu_kernels.prefill(query[start:end], k, v, scale)
         return out
 

@@ -309,11 +309,8 @@ class ModelRunner:
                                         cdiv(self.max_model_len, c.block_size), self.device)
             if self.device.type == "cuda" and self.kv_cache.kernels_enabled():
                 self.kv_cache.reserve_scratch(self.max_model_len)  # claimed now, within the budget above
-        except (torch.OutOfMemoryError, MemoryError) as e:
-            self.kv_cache = self.buffers = None
-            raise KVCacheAllocationError(self._allocation_failure(num_blocks, e)) from e
-        except RuntimeError as e:  # the CPU allocator's failure is a plain RuntimeError
-            if "allocate" not in str(e):
+        except (MemoryError, RuntimeError) as e:  # the CPU allocator's failure is a plain RuntimeError
+            if not isinstance(e, (MemoryError, torch.OutOfMemoryError)) and "allocate" not in str(e):
                 raise
             self.kv_cache = self.buffers = None
             raise KVCacheAllocationError(self._allocation_failure(num_blocks, e)) from e

@@ -196,10 +196,7 @@ def prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
         n_q = -(-nq // pad) * pad
         prev, prev_lse = _flash(padded(q, 0, n_q), k[:, :, :cut], v[:, :, :cut], 0.0, False, scale=scale)
         prev, prev_lse = prev[:, :, :nq], prev_lse[:, :, :nq].float()
-        m = torch.maximum(own_lse, prev_lse)
-        w_own, w_prev = (own_lse - m).exp(), (prev_lse - m).exp()
-        own = (own.float() * w_own[..., None] + prev.float() * w_prev[..., None]) / (w_own + w_prev)[..., None]
-        own_lse = m + (w_own + w_prev).log()
+        own, own_lse = _merge(own.float(), own_lse, prev.float(), prev_lse)
     if with_lse:
         return own[0].transpose(0, 1).float(), own_lse[0].transpose(0, 1).contiguous()
     return own[0].transpose(0, 1).to(query.dtype)
@@ -230,11 +227,16 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out, lse
 
 
-def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
-    """Attention over the union of two disjoint key sets from each set's (out [n, H, D], lse [n, H])."""
+def _merge(out_a, lse_a, out_b, lse_b):
+    """(out, lse) over the union of two disjoint key sets from each set's (out [..., D], lse [...])."""
     m = torch.maximum(lse_a, lse_b)
     wa, wb = (lse_a - m).exp(), (lse_b - m).exp()
-    return (out_a * wa[..., None] + out_b * wb[..., None]) / (wa + wb)[..., None]
+    return (out_a * wa[..., None] + out_b * wb[..., None]) / (wa + wb)[..., None], m + (wa + wb).log()
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from each set's (out [n, H, D], lse [n, H])."""
+    return _merge(out_a, lse_a, out_b, lse_b)[0]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
