@@ -92,6 +92,7 @@ class Chaos:
         self.stop = False
         self.events: list[tuple[float, str]] = []
         self.killed_replica: str | None = None
+        self.replica_back_after_s: float | None = None  # from the replica kill to its replacement's first stats
         self.index_killed_at = 0.0
 
     def now(self) -> float:
@@ -215,7 +216,7 @@ class Chaos:
             r = rng.random()
             if r < 0.05:
                 await self.send(client, "fuzz", "/v1/completions", content=big)
-            elif r < 0.10:
+            elif r < 0.10 or not bodies:  # --fuzz-bodies 0: only these
                 await self.send(client, "fuzz", rng.choice(["/v1/completions", "/v1/chat/completions"]),
                                 content=rng.choice([b"{", b"[]", b"null", b"\xff\xfe", b'{"prompt": 1e999}']))
             else:
@@ -262,8 +263,10 @@ class Chaos:
         self.killed_replica = victim_id
         survivors = {n.rsplit("#", 1)[1] for n in names} - {victim_id}
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-        self.events.append((self.now(), f"killed replica {victim_id} (running {stats[victim_id]['num_running']} "
-                                        "requests)"))
+        killed_at = self.now()
+        self.events.append((killed_at, f"killed replica {victim_id} (running {stats[victim_id]['num_running']} "
+                                       "requests)"))
+        back = asyncio.create_task(self._replacement_ready({n.rsplit("#", 1)[1] for n in names}, killed_at))
         await asyncio.sleep(max(0.0, d / 2 - self.now()))
         index = get_index(APP)
         old_epoch = await index.ping.remote()
@@ -282,7 +285,26 @@ class Chaos:
             if stats and stats["epoch"] != old_epoch and survivors <= set(stats["replicas"]):
                 self.events.append((self.now(), f"new index holds blocks of {len(stats['replicas'])} replicas"))
                 break
-        await asyncio.gather(*streams)
+        await asyncio.gather(*streams, back)
+
+    async def _replacement_ready(self, before: set[str], killed_at: float, timeout_s: float = 300) -> None:
+        """Seconds from the kill until a replica not among `before` reports its stats to the index
+        (it does so once its engine is up and its event loop runs): replica_back_after_s. Waited for
+        past the end of the load, up to timeout_s."""
+        from app.router.index_actor import get_index
+
+        while self.now() - killed_at < timeout_s:
+            try:
+                index = get_index(APP)
+                stats = await asyncio.wait_for(index.replica_stats.remote(), 2) if index is not None else {}
+            except Exception:
+                stats = {}
+            new = set(stats) - before
+            if new:
+                self.replica_back_after_s = self.now() - killed_at
+                self.events.append((self.now(), f"replacement replica {min(new)} reports to the index"))
+                return
+            await asyncio.sleep(0.5)
 
     async def run(self, bodies) -> None:
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
@@ -325,10 +347,13 @@ def chaos_config(args):
     def edit(config: dict) -> None:
         (app,) = config["applications"]
         app["deployments"] = [{"name": "LLMServer", "num_replicas": args.replicas}]
-        app["args"]["engine"]["kv_cache_memory"] = args.kv_cache_memory
-        app["args"]["engine"]["cpu_threads"] = max(1, (os.cpu_count() or 1) // args.replicas)  # they share the cores
+        engine = app["args"]["engine"]
+        engine["kv_cache_memory"] = args.kv_cache_memory
         # reliability, not the model, is under test: the tiny model (byte tokenizer: 1 char = 1 token)
-        app["args"]["engine"]["model"] = app["args"]["model_id"] = MODEL
+        engine["model"] = app["args"]["model_id"] = MODEL
+        engine.update(json.loads(args.engine_json))  # the served name stays MODEL
+        if engine.get("device", "cpu") == "cpu":
+            engine["cpu_threads"] = max(1, (os.cpu_count() or 1) // args.replicas)  # they share the cores
         app["args"]["request_timeout_s"] = args.request_timeout
     return edit
 
@@ -418,6 +443,7 @@ def _run(args, url: str, t_start: float) -> dict:
             "follow_up_hits_before": _hits(before),
             "follow_up_hits_after": [(w["from_s"] - k, w["follow_up_hits"], w["follow_ups"]) for w in after],
             "routing_recovered_after_s": _recovery(before, after, k),
+            "replica_back_after_s": chaos.replica_back_after_s,
         }
         return result
     finally:
@@ -461,6 +487,8 @@ def to_markdown(r: dict) -> str:
                      f"{c['broken']} | {c['disconnected']} |")
     lines.append("")
     lines.append("Events (s from the start of the load): " + "; ".join(f"{t:.1f}: {e}" for t, e in r["events"]) + ".")
+    lines.append(f"The killed replica's replacement reported to the index {_fmt(r['replica_back_after_s'])} s after "
+                 "the kill.")
     lines.append(f"Replica deaths not caused by the run: {len(r['replicas_died_unasked'])}; KV blocks held after "
                  f"the load, idle: {sum(r['kv_blocks_leaked'].values())} (over {r['idle_replicas_checked']} replicas).")
     hb, nb = r["follow_up_hits_before"]
@@ -492,6 +520,10 @@ def parse_args(argv=None):
     p.add_argument("--disconnect-every", type=float, default=2.0, help="seconds between disconnecting clients")
     p.add_argument("--request-timeout", type=float, default=60.0, help="the app's request_timeout_s")
     p.add_argument("--kv-cache-memory", default="256MiB")
+    p.add_argument("--engine-json", default="{}",
+                   help="more engine settings (the served model name stays tiny-llama), e.g. on one GPU: "
+                        "'{\"device\": \"cuda\", \"model\": \"llama-3.1-8b\", \"load_format\": \"dummy\", "
+                        "\"gpu_fraction\": 0.45}'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     return p.parse_args(argv)

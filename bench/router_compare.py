@@ -51,7 +51,8 @@ def deploy(replicas: int, kv_router: bool, engine_overrides: dict, model_id: str
     (app,) = config["applications"]
     app["deployments"] = [{"name": "LLMServer", "num_replicas": replicas}]
     app["args"]["engine"]["model"] = "tiny-llama"  # the byte tokenizer: 1 char = 1 token (unless overridden)
-    if engine_overrides.get("backend", "native") == "native":  # the replicas share the cores
+    if engine_overrides.get("backend", "native") == "native" and engine_overrides.get("device", "cpu") == "cpu":
+        # the replicas share the cores
         app["args"]["engine"]["cpu_threads"] = max(1, (os.cpu_count() or 1) // replicas)
     app["args"]["model_id"] = model_id
     app["args"]["engine"].update(engine_overrides)
@@ -130,7 +131,7 @@ async def drive(url: str, w: SessionWorkload, model_id: str = "tiny-llama") -> t
 
 def ideal_for(results, args, w: SessionWorkload) -> int:
     """The ideal cached tokens of a run of `w` (ideal_cached_tokens; in the model's tokens with --model)."""
-    if not args.model:  # the byte tokenizer: BOS + one token per character, no merges
+    if byte_tokens(args):  # the byte tokenizer: BOS + one token per character, no merges
         return ideal_cached_tokens(results, args.block_size, 1 + args.system_prompt_tokens)
     import random
 
@@ -142,6 +143,11 @@ def ideal_for(results, args, w: SessionWorkload) -> int:
     return ideal_cached_tokens(results, args.block_size, 0, tokenizer.encode, system_prompt)
 
 
+def byte_tokens(args) -> bool:
+    """Whether the replicas tokenize by bytes: tiny-llama, or any model with dummy weights."""
+    return not args.model or args.engine.get("load_format") == "dummy"
+
+
 def engine_overrides(args) -> tuple[dict, str]:
     """(engine settings, model id) of the replicas `args` ask for."""
     if args.backend == "vllm":
@@ -149,7 +155,7 @@ def engine_overrides(args) -> tuple[dict, str]:
             raise SystemExit("--backend vllm needs --model (a Hugging Face model directory)")
         return ({"backend": "vllm", "model": args.model, "block_size": args.block_size, "kv_cache_dtype": "bf16",
                  "kv_cache_memory": "1GiB"}, os.path.basename(os.path.normpath(args.model)))
-    overrides = {"kv_cache_dtype": args.kv_cache_dtype, "block_size": args.block_size}
+    overrides = {"kv_cache_dtype": args.kv_cache_dtype, "block_size": args.block_size, **args.engine}
     if args.model:
         overrides["model"] = args.model
         return overrides, os.path.basename(os.path.normpath(args.model))
@@ -213,6 +219,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tokens per KV block (default: 16 as in serve_config.yaml; 32 with --backend vllm)")
     p.add_argument("--backend", choices=("native", "vllm"), default="native", help="engine.backend of the replicas")
     p.add_argument("--model", default=None, help="engine.model (default tiny-llama; required with --backend vllm)")
+    p.add_argument("--engine-json", default="{}",
+                   help="more engine settings of the replicas (native backend), e.g. on one GPU: "
+                        "'{\"device\": \"cuda\", \"load_format\": \"dummy\", \"gpu_fraction\": 0.45}'")
     p.add_argument("--chars-per-token", type=float, default=None,
                    help="characters per token of the model's tokenizer (default: 1, tiny-llama's bytes; "
                         "1.9 with --model, bench/peer_model.py's BPE)")
@@ -227,10 +236,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-cpus", type=int, default=8, help="logical CPUs of the local Ray")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    args.engine = json.loads(args.engine_json)
     if args.block_size is None:
         args.block_size = 32 if args.backend == "vllm" else 16
     if args.chars_per_token is None:
-        args.chars_per_token = 1.9 if args.model else 1.0  # 1.9: the peer model's BPE on these words
+        args.chars_per_token = 1.0 if byte_tokens(args) else 1.9  # 1.9: the peer model's BPE on these words
     return args
 
 

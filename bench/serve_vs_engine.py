@@ -83,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--session-append", type=int, default=256, help="new tokens per turn")
     p.add_argument("--session-reply", type=int, default=64, help="output tokens per turn")
     p.add_argument("--paths", default=",".join(PATHS), help=f"some of {','.join(PATHS)}")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="time each path's first requests too (default: every workload once small and untimed first)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the rows here")
@@ -211,12 +213,41 @@ def row(path: str, workload: str, streams: list[Stream], expected: int, wall_s: 
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99)}
 
 
-async def run_workloads(path: str, args: argparse.Namespace, vocab_size: int, send, send_batch=None) -> list[dict]:
-    """Every workload on one path. send(prompt, max_tokens, stream) -> Stream; send_batch(prompts,
-    max_tokens) -> list[Stream] replaces concurrent sends for the throughput shapes (the engine's
-    offline LLM.generate)."""
-    rows = []
+async def warm_up(path: str, args: argparse.Namespace, vocab_size: int, send, send_batch=None,
+                  kinds=("throughput", "sessions")) -> None:
+    """Every workload once at a small size, untimed, with prompts of their own: kernels that a path's
+    process compiles or loads on first use (Triton specializes on sizes) are ready before the timed
+    runs, whichever path ran first on the machine."""
+    start = time.perf_counter()
     for name, kind, shape in workloads(args):
+        seed = f"{args.seed}-{path}-{name}-warmup"
+        if kind not in kinds:
+            continue
+        if kind == "throughput":
+            n, length, out = shape
+            prompts = throughput_prompts((min(n, 16), length, out), vocab_size, seed)
+            if send_batch is not None:
+                send_batch(prompts, min(out, 8))
+            else:
+                await asyncio.gather(*(send(p, min(out, 8), False) for p in prompts))
+        else:
+            small = argparse.Namespace(**{**vars(args), "sessions": min(args.sessions, 2), "turns": min(args.turns, 2)})
+            await run_sessions(session_prompts(small, vocab_size, seed), min(args.session_reply, 8),
+                               lambda p, m: send(p, m, True))
+    print(f"[{path}] warmed up in {time.perf_counter() - start:.1f} s", flush=True)
+
+
+async def run_workloads(path: str, args: argparse.Namespace, vocab_size: int, send, send_batch=None,
+                        kinds=("throughput", "sessions")) -> list[dict]:
+    """The workloads of `kinds` on one path. send(prompt, max_tokens, stream) -> Stream;
+    send_batch(prompts, max_tokens) -> list[Stream] replaces concurrent sends for the throughput
+    shapes (the engine's offline LLM.generate)."""
+    rows = []
+    if args.warmup:
+        await warm_up(path, args, vocab_size, send, send_batch, kinds)
+    for name, kind, shape in workloads(args):
+        if kind not in kinds:
+            continue
         seed = f"{args.seed}-{path}-{name}"
         if kind == "throughput":
             prompts, max_tokens = throughput_prompts(shape, vocab_size, seed), shape[2]
@@ -296,15 +327,19 @@ def engine_path(args: argparse.Namespace, vocab_size: int) -> list[dict]:
             streams.append(s)
         return streams
 
-    async def drive() -> list[dict]:
+    # The throughput shapes through the offline API first, then the sessions through an async engine
+    # over the same engine: once the async engine's thread steps it, offline generate must not.
+    rows = asyncio.run(run_workloads("engine", args, vocab_size, None, send_batch=batch, kinds=("throughput",)))
+
+    async def sessions() -> list[dict]:
         engine = AsyncLLMEngine(engine=llm.engine)
         try:
             return await run_workloads("engine", args, vocab_size, lambda p, m, st: engine_request(engine, p, m),
-                                       send_batch=batch)
+                                       kinds=("sessions",))
         finally:
             engine.shutdown()
 
-    return asyncio.run(drive())  # the async engine's shutdown stops llm's engine too
+    return rows + asyncio.run(sessions())  # the async engine's shutdown stops llm's engine too
 
 
 def vocab_size(args: argparse.Namespace) -> int:

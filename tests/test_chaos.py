@@ -29,6 +29,7 @@ def test_chaos_run_counts_no_hang_no_5xx_no_request_death_no_leak():
     assert any(e.endswith("replicas") and e.startswith("new index") for _, e in r["events"]), r["events"]
     assert r["replicas_died_unasked"] == [], r["events"]
     assert r["idle_replicas_checked"] == 3 and sum(r["kv_blocks_leaked"].values()) == 0, r["kv_blocks_leaked"]
+    assert r["replica_back_after_s"] is not None and r["replica_back_after_s"] <= 90, r["events"]
     assert r["routing_recovered_after_s"] is not None and r["routing_recovered_after_s"] <= 30, r["windows"]
 
 

@@ -349,3 +349,16 @@ def test_a_kv_cache_that_cannot_be_allocated_fails_the_start_naming_its_settings
                        r"lower engine\.kv_cache_memory or engine\.num_kv_blocks") as info:
         LLM(model="tiny-llama", kv_cache_dtype=kv, num_kv_blocks=10**11)
     assert "allocate" in str(info.value.__cause__)
+
+
+def test_engine_reports_its_start_up_phases(stories_paths):
+    """The engine's start-up, by phase (what the replica's log line shows): config and tokenizer,
+    model load, KV cache allocation, and the CPU kernels' build/load; the phases add up to at most
+    the total."""
+    model, tokenizer = stories_paths
+    llm = LLM(model=model, tokenizer=tokenizer, kv_cache_dtype="fp4")
+    phases = llm.engine.startup_s
+    assert {"config_and_tokenizer", "model", "kv_cache", "cpu_kernels", "total"} <= set(phases), phases
+    assert "cuda_graphs" not in phases  # none on the CPU
+    assert all(v >= 0 for v in phases.values())
+    assert sum(v for k, v in phases.items() if k != "total") <= phases["total"]

@@ -72,6 +72,7 @@ class _RequestState:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         self.config = config = config or EngineConfig(**kwargs)
+        t_start = time.perf_counter()
         if config.backend != "native":
             raise ValueError(f"LLMEngine is the native backend; engine.backend {config.backend!r} runs in an "
                              "LLMServer replica (app/engine/vllm_engine.py)")
@@ -99,7 +100,9 @@ class LLMEngine:
         # Sample only ids the tokenizer knows (a model's vocab may be padded beyond it).
         self.vocab_size = self.tokenizer.vocab_size
         # Loads the model (its shards on tensor-parallel workers) and allocates the KV cache.
+        t_executor = time.perf_counter()
         self.executor = create_executor(config, self.vocab_size, self.max_model_len)
+        executor_s = time.perf_counter() - t_executor
         self.num_kv_blocks = self.executor.num_kv_blocks
         # The model and cache objects when they live in this process (tensor_parallel_size 1).
         runner = getattr(self.executor, "runner", None)
@@ -136,9 +139,15 @@ class LLMEngine:
         # between its end and the previous step's.
         self.step_timings: list[dict] | None = None
         self.sync_step_timings = False
+        # Seconds of each start-up phase: the executor's (model load, KV cache, CUDA graphs where it
+        # runs in this process, else its whole start as "workers"), the checks and tokenizer before.
+        phases = dict(runner.startup_s) if runner is not None else {"workers": executor_s}
+        self.startup_s = {"config_and_tokenizer": t_executor - t_start, **phases,
+                          "total": time.perf_counter() - t_start}
         logger.info(
-            "engine ready: model=%s tensor_parallel_size=%d kv_cache_dtype=%s blocks=%d x %d tokens "
+            "engine ready in %.1f s (%s): model=%s tensor_parallel_size=%d kv_cache_dtype=%s blocks=%d x %d tokens "
             "(%.1f MiB, %d B/token over all ranks)",
+            self.startup_s["total"], ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items() if k != "total"),
             config.model, config.tensor_parallel_size, config.kv_cache_dtype, self.num_kv_blocks, config.block_size,
             self.num_kv_blocks * config.block_size * self.kv_bytes_per_token / 2**20, self.kv_bytes_per_token,
         )

@@ -250,9 +250,13 @@ class ModelRunner:
             # a share of a GPU: past it this engine's allocations fail here, not its neighbours'
             torch.cuda.set_per_process_memory_fraction(config.gpu_fraction, self.device)
         self.vocab_size = vocab_size  # ids the tokenizer knows; logits beyond are never sampled
+        # seconds each start-up phase took (the engine logs them once it is ready)
+        self.startup_s: dict[str, float] = {}
+        t0 = time.perf_counter()
         self.model, mc = load_model(config.model, device=self.device, dtype=self.dtype,
                                     load_format=config.load_format, seed=config.seed,
                                     tp_rank=tp_rank, tp_size=tp_size)
+        self.startup_s["model"] = time.perf_counter() - t0
         self.max_model_len = max_model_len or config.max_model_len or mc.max_position_embeddings
         self.kv_spec = KVCacheSpec(
             num_layers=mc.num_hidden_layers,
@@ -303,6 +307,7 @@ class ModelRunner:
         """Allocate the KV cache and the step buffers, then capture the decode graphs (CUDA). Raises
         KVCacheAllocationError, naming the settings that size the cache, if the memory is not there."""
         c = self.config
+        t0 = time.perf_counter()
         try:
             self.kv_cache = create_kv_cache(c.kv_cache_dtype, self.kv_spec, num_blocks, self.device, self.fp4_formats)
             self.buffers = InputBuffers(max(c.max_num_batched_tokens, c.max_num_seqs), c.max_num_seqs,
@@ -314,13 +319,18 @@ class ModelRunner:
                 raise
             self.kv_cache = self.buffers = None
             raise KVCacheAllocationError(self._allocation_failure(num_blocks, e)) from e
+        self.startup_s["kv_cache"] = time.perf_counter() - t0
         if self.device.type == "cpu":
             # Build (first use on this machine, ~35 s) or load the CPU extension now, while the
             # engine starts, not inside the first request's deadline.
+            t0 = time.perf_counter()
             self.kv_cache.cpu_kernels_enabled()
+            self.startup_s["cpu_kernels"] = time.perf_counter() - t0
         self.graphs_disabled_reason = self._graphs_problem()
         if self.graphs_disabled_reason is None:
+            t0 = time.perf_counter()
             self.capture_graphs()
+            self.startup_s["cuda_graphs"] = time.perf_counter() - t0
         elif self.device.type == "cuda":
             logger.info("decode steps run eager (no CUDA graphs): %s", self.graphs_disabled_reason)
 
