@@ -21,8 +21,8 @@ def engine(stories_paths):
     eng.shutdown()
 
 
-async def _collect(eng, prompt, params, request_id=None):
-    outs = [o async for o in eng.generate(prompt, params, request_id=request_id)]
+async def _collect(eng, prompt, params, request_id=None, stream=True):
+    outs = [o async for o in eng.generate(prompt, params, request_id=request_id, stream=stream)]
     return outs
 
 
@@ -39,6 +39,28 @@ def test_concurrent_streams_match_offline(engine, stories_paths):
         assert outs[-1].finished and outs[-1].finish_reason == "length"
         assert not any(o.finished for o in outs[:-1])
         assert outs[-1].token_ids == [t for o in outs for t in o.delta_token_ids]
+
+
+def test_unstreamed_requests_get_first_and_merged_final_outputs(engine):
+    """stream=False (a non-streaming HTTP request): per choice, the first output and one final output
+    carrying every later delta (merged in the engine thread), the same tokens, text and logprobs as
+    streaming; a streaming request running beside them still gets one output per token."""
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, n=2, logprobs=1, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(_collect(engine, PROMPTS[0], params, stream=False),
+                                    _collect(engine, PROMPTS[0], params, stream=True))
+
+    unstreamed, streamed = asyncio.run(main())
+    assert len(streamed) == 2 * 24
+    for index in (0, 1):
+        mine = [o for o in unstreamed if o.index == index]
+        theirs = [o for o in streamed if o.index == index]
+        assert len(mine) == 2 and not mine[0].finished and mine[1].finished, mine
+        assert [t for o in mine for t in o.delta_token_ids] == [t for o in theirs for t in o.delta_token_ids]
+        assert "".join(o.delta_text for o in mine) == "".join(o.delta_text for o in theirs) == mine[1].text
+        assert [x for o in mine for x in o.delta_logprobs] == pytest.approx(mine[1].logprobs)
+        assert mine[1].token_ids == theirs[-1].token_ids
 
 
 def test_cancel_aborts_and_frees_blocks(engine):

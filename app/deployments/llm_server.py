@@ -78,7 +78,7 @@ class LLMServer:
         handle) before the first output."""
         first = True
         async for out in self.engine.generate(
-            request.prompt_token_ids, request.sampling_params, request_id=request.request_id
+            request.prompt_token_ids, request.sampling_params, request_id=request.request_id, stream=request.stream
         ):
             if request.prompt is not None:
                 out.prompt = request.prompt

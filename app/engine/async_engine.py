@@ -30,6 +30,22 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class _Stream:
+    """A generate() call's end of the engine thread's deliveries."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    stream: bool  # False: the first output of each choice, then only its merged final one
+    first_sent: set[int]  # choices whose first output was delivered
+    held: dict[int, list[RequestOutput]]  # choice -> outputs not delivered yet (stream False)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+@dataclass(slots=True)
 class _Add:
     request_id: str
     prompt: str | Seq[int]
@@ -61,7 +77,7 @@ class AsyncLLMEngine:
         self.step_timeout_s = step_timeout_s
         self._deadlines: dict[str, float] = {}  # request id -> time.monotonic() deadline
         self._step_started: float | None = None  # monotonic start of the step in flight
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._adds: deque[_Add] = deque()
         self._aborts: deque[str] = deque()
         self._wake = threading.Event()
@@ -119,9 +135,12 @@ class AsyncLLMEngine:
         prompt: str | Seq[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (deltas; the last one has finished=True). With params.n > 1
         the choices' outputs interleave (RequestOutput.index), each choice finishing on its own.
+        With stream False each choice gives its first output and then one final output carrying
+        every delta since (the engine thread merges them: the caller's loop is not woken per step).
 
         Raises InvalidRequestError (nothing queued) for a bad request, EngineOverloadedError when
         the queue is full, EngineDeadError when the engine loop has failed, RequestFailedError when
@@ -140,14 +159,18 @@ class AsyncLLMEngine:
                 "retry later"
             )
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        loop = asyncio.get_running_loop()
+        self._streams[request_id] = _Stream(loop, queue, stream, set(), {})
         if self.is_dead or self._stopped:  # the loop may have died or stopped after the check above:
             self._streams.pop(request_id, None)  # then nobody would ever deliver to this stream
             raise EngineDeadError(f"engine loop stopped: {self.dead_error!r}")
-        deadline = None
+        timer = None
         if self.request_timeout_s is not None:
-            deadline = time.monotonic() + self.request_timeout_s
-            self._deadlines[request_id] = deadline
+            self._deadlines[request_id] = time.monotonic() + self.request_timeout_s
+            # The engine thread aborts the request at its deadline and delivers the error; this timer
+            # delivers it too, for when the engine thread is stuck in a step (the first one counts).
+            timer = loop.call_later(self.request_timeout_s,
+                                    lambda: queue.put_nowait(self._timeout_error(request_id)))
         self._adds.append(_Add(request_id, prompt, prompt_ids, params))
         self._wake.set()
         num_finished, held = 0, None  # choices finished; an output read ahead of its turn
@@ -156,35 +179,30 @@ class AsyncLLMEngine:
                 if held is not None:
                     out, held = held, None
                 else:
-                    out = await self._next(queue, request_id, deadline)
+                    out = await queue.get()
                 if isinstance(out, BaseException):
                     raise out
-                while not queue.empty() and not out.finished:  # a slow reader gets merged deltas
-                    nxt = queue.get_nowait()
-                    if isinstance(nxt, BaseException):
-                        raise nxt
-                    if nxt.index != out.index:  # another choice's: yield it next
-                        held = nxt
-                        break
-                    out = _merge(out, nxt)
+                if not queue.empty() and not out.finished:  # a slow reader gets merged deltas
+                    run = [out]
+                    while not queue.empty() and not run[-1].finished:
+                        nxt = queue.get_nowait()
+                        if isinstance(nxt, BaseException):
+                            raise nxt
+                        if nxt.index != out.index:  # another choice's: yield it next
+                            held = nxt
+                            break
+                        run.append(nxt)
+                    out = merge_outputs(run)
                 num_finished += out.finished
                 yield out
         finally:
+            if timer is not None:
+                timer.cancel()
             self._streams.pop(request_id, None)
             self._deadlines.pop(request_id, None)
             if num_finished < params.n:
                 self._aborts.append(request_id)
                 self._wake.set()
-
-    async def _next(self, queue: asyncio.Queue, request_id: str, deadline: float | None):
-        """The stream's next item; past the deadline a RequestTimeoutError (even if the engine
-        thread is stuck and never delivers one)."""
-        if deadline is None:
-            return await queue.get()
-        try:
-            return await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            return self._timeout_error(request_id)
 
     def _timeout_error(self, request_id: str) -> RequestTimeoutError:
         return RequestTimeoutError(f"request {request_id} ran past its deadline "
@@ -210,13 +228,34 @@ class AsyncLLMEngine:
 
     # -- engine thread --------------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, queue = target
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        """Hand (request id, output or error) pairs to their streams: one wake-up of each caller's
+        loop for all of them. A stream with stream=False gets its outputs' first and, merged,
+        final one per choice (and any error at once)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        rids: dict[asyncio.AbstractEventLoop, list[str]] = {}
+        for rid, item in items:
+            target = self._streams.get(rid)
+            if target is None:
+                continue
+            if isinstance(item, RequestOutput):
+                i = item.index
+                if not target.stream and i in target.first_sent and not item.finished:
+                    target.held.setdefault(i, []).append(item)
+                    continue
+                target.first_sent.add(i)
+                held = target.held.pop(i, None)
+                if held:
+                    item = merge_outputs([*held, item])
+            by_loop.setdefault(target.loop, []).append((target.queue, item))
+            rids.setdefault(target.loop, []).append(rid)
+        for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the caller's loop is closed: nobody is listening
-                self._aborts.append(request_id)
+                self._aborts.extend(rids[loop])
 
     def _expire(self) -> None:
         """Abort the requests past their deadline (their streams raise RequestTimeoutError)."""
@@ -260,8 +299,9 @@ class AsyncLLMEngine:
                 self._step_started = None
                 self.num_steps += 1
                 self.snapshot = self._snapshot()  # before delivering: what a caller sees is never newer
-                for out in outputs:  # a request that failed on its own gets its error, the rest go on
-                    self._deliver(out.request_id, out if out.error is None else RequestFailedError(out.error))
+                # a request that failed on its own gets its error, the rest go on
+                self._deliver_all([(out.request_id, out if out.error is None else RequestFailedError(out.error))
+                                   for out in outputs])
                 events = engine.take_kv_events()
                 if events and self.on_kv_events is not None:
                     self.on_kv_events(events)
@@ -293,13 +333,18 @@ class AsyncLLMEngine:
         }
 
 
-def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """`b` with `a`'s deltas prepended (two consecutive outputs of one request)."""
-    b.delta_text = a.delta_text + b.delta_text
-    b.delta_token_ids = a.delta_token_ids + b.delta_token_ids
-    if a.delta_logprobs is not None and b.delta_logprobs is not None:
-        b.delta_logprobs = a.delta_logprobs + b.delta_logprobs
-        b.delta_top_logprobs = a.delta_top_logprobs + b.delta_top_logprobs
-    if b.prompt_logprobs is None:
-        b.prompt_logprobs = a.prompt_logprobs
-    return b
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """The last of consecutive outputs of one choice, with every earlier one's deltas prepended
+    (in one pass: a long run of held outputs is not copied once per output)."""
+    last = outs[-1]
+    if len(outs) == 1:
+        return last
+    last.delta_text = "".join(o.delta_text for o in outs)
+    last.delta_token_ids = [t for o in outs for t in o.delta_token_ids]
+    if all(o.delta_logprobs is not None for o in outs):
+        last.delta_logprobs = [x for o in outs for x in o.delta_logprobs]
+        last.delta_top_logprobs = [x for o in outs for x in (o.delta_top_logprobs or [])]
+    if last.prompt_logprobs is None:
+        last.prompt_logprobs = next((o.prompt_logprobs for o in reversed(outs) if o.prompt_logprobs is not None),
+                                    None)
+    return last
