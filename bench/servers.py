@@ -59,13 +59,14 @@ def stop(proc: subprocess.Popen, timeout_s: float = 60) -> None:
 
 
 @contextlib.contextmanager
-def _serving(cmd: list[str], env: dict, workdir: Path, url: str, timeout_s: float) -> Iterator[str]:
+def _serving(cmd: list[str], env: dict, workdir: Path, url: str, timeout_s: float, wait: bool = True) -> Iterator[str]:
     log_path = workdir / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            ready = wait_ready(proc, url, log_path, timeout_s)
-            print(f"{cmd[0]} ready in {ready:.1f} s at {url} (log: {log_path})", flush=True)
+            if wait:
+                ready = wait_ready(proc, url, log_path, timeout_s)
+                print(f"{cmd[0]} ready in {ready:.1f} s at {url} (log: {log_path})", flush=True)
             yield url
         finally:
             stop(proc)
@@ -73,8 +74,9 @@ def _serving(cmd: list[str], env: dict, workdir: Path, url: str, timeout_s: floa
 
 @contextlib.contextmanager
 def serve_run(workdir: Path, edit: Callable[[dict], None] | None = None, timeout_s: float = 300,
-              address: str | None = None) -> Iterator[str]:
-    """`serve run` of serve_config.yaml on a free port, after `edit(config)`; yields the base URL.
+              address: str | None = None, wait: bool = True) -> Iterator[str]:
+    """`serve run` of serve_config.yaml on a free port, after `edit(config)`; yields the base URL
+    once GET /v1/models answers (wait False: at once; its output goes to workdir/server.log).
     `address`: a running Ray instance to deploy on (`serve run --address`; else it starts its own)."""
     config = copy.deepcopy(yaml.safe_load((ROOT / "serve_config.yaml").read_text()))
     port = free_port()
@@ -86,7 +88,7 @@ def serve_run(workdir: Path, edit: Callable[[dict], None] | None = None, timeout
     env = {**os.environ, "RAY_AUTH_MODE": "disabled",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     cmd = ["serve", "run", str(path)] + (["--address", address] if address else [])
-    with _serving(cmd, env, workdir, f"http://127.0.0.1:{port}", timeout_s) as url:
+    with _serving(cmd, env, workdir, f"http://127.0.0.1:{port}", timeout_s, wait) as url:
         yield url
 
 

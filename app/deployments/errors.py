@@ -12,7 +12,7 @@ import re
 
 from pydantic import BaseModel, ValidationError
 from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from app.deployments.protocol import (BadRequestError, InternalServerError, OpenAIError, RequestTimeoutError,
                                       ServiceUnavailableError)
@@ -45,6 +45,10 @@ def to_openai_error(e: BaseException, fields: dict[str, str], retry_after_s: int
         return RequestTimeoutError(message)
     if isinstance(cause, RayActorError):  # the replica process died: Ray's text names its pid, ip, actor id
         return ServiceUnavailableError("the engine replica serving this request went away; retry later",
+                                       code="engine_unavailable", retry_after_s=retry_after_s)
+    if isinstance(cause, DeploymentUnavailableError):  # its replicas failed to start (DEPLOY_FAILED)
+        return ServiceUnavailableError("the model's replicas are not running: their deployment failed to start "
+                                       "(`serve status` and the replica logs say why); retry later",
                                        code="engine_unavailable", retry_after_s=retry_after_s)
     if isinstance(cause, EngineDeadError):
         return ServiceUnavailableError(f"the engine is unavailable ({message}); retry later",

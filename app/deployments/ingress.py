@@ -171,9 +171,10 @@ class OpenAIIngress(OpenAIServing):
     async def http_models(self, request: Request) -> Response:
         try:
             self._authorize(request)
+            models = await self.models()
         except OpenAIError as e:
             return error_response(e)
-        return JSONResponse((await self.models()).model_dump(mode="json"))
+        return JSONResponse(models.model_dump(mode="json"))
 
     @app.post(COMPLETIONS)
     async def http_completions(self, request: Request) -> Response:

@@ -82,7 +82,10 @@ class OpenAIServing:
 
     # -- the handle API (the HTTP routes of OpenAIIngress call these) --------------------------------------------
     async def models(self) -> ModelList:
-        info = await self._model_info()
+        try:
+            info = await self._model_info()
+        except Exception as e:  # no replica answers (e.g. 503: they failed to start)
+            raise to_openai_error(e, {}, self.config.retry_after_s) from None
         return ModelList(data=[ModelCard(id=self.model_id, root=self.config.engine.model,
                                          max_model_len=info.max_model_len)])
 
