@@ -19,10 +19,15 @@ CI_REQUESTS = {False: 6, True: 3}
 CI_MAX_TOKENS = 32
 
 
+LOGS: dict[str, object] = {}  # the module's `serve run` output file
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`serve run` of serve_config.yaml, changed only to listen on a free port."""
-    with serve_run(tmp_path_factory.mktemp("serve"), timeout_s=180) as url:
+    workdir = tmp_path_factory.mktemp("serve")
+    LOGS["server"] = workdir / "server.log"
+    with serve_run(workdir, timeout_s=180) as url:
         yield url
 
 
@@ -46,6 +51,14 @@ def test_openai_client_against_serve_run(server):
     assert again.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: from the prefix cache
     c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert 1 <= c.usage.completion_tokens <= 8 and c.choices[0].finish_reason in ("stop", "length")
+
+
+def test_replica_logs_its_start_up_by_phase(server):
+    """The engine's INFO lines reach `serve run`'s output (and the replica's log file): its start-up
+    by phase, then the replica's ready line."""
+    text = LOGS["server"].read_text()
+    assert "engine ready in" in text and "(config_and_tokenizer " in text and "cpu_kernels " in text, text[-3000:]
+    assert "LLMServer" in text and "computes with" in text
 
 
 def _load_test(url: str, num_requests: int, distinct: bool, max_tokens: int = 128) -> None:

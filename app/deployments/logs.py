@@ -1,4 +1,9 @@
-"""Client errors in the replicas' logs: one warning line, no traceback.
+"""The replicas' logs: the project's own records in them, client errors as one warning line.
+
+The project's loggers (`app.*`: the engine's start-up by phase, KV cache size, CUDA graphs) write
+through Ray Serve's handlers of the replica, so their INFO records reach the replica's log file
+and `serve run`'s output like Serve's own (without this they went nowhere: a replica's root
+logger passes only warnings).
 
 Ray Serve logs every exception a replica method raises as "Request failed." with its traceback
 (`logger.exception` on the "ray.serve" logger), which makes a client's mistake (a prompt too long,
@@ -15,6 +20,7 @@ from app.deployments.protocol import OpenAIError
 from app.engine.errors import InvalidRequestError
 
 SERVE_LOGGER = "ray.serve"
+PROJECT_LOGGER = "app"
 
 
 def is_client_error(e: BaseException | None) -> bool:
@@ -32,7 +38,14 @@ class ClientErrorsAsWarnings(logging.Filter):
 
 
 def install() -> None:
-    """Idempotent: at most one filter on the Serve logger of this process."""
+    """Idempotent: at most one filter on the Serve logger of this process, and the project's
+    logger writes through the Serve logger's handlers (once)."""
     logger = logging.getLogger(SERVE_LOGGER)
     if not any(isinstance(f, ClientErrorsAsWarnings) for f in logger.filters):
         logger.addFilter(ClientErrorsAsWarnings())
+    project = logging.getLogger(PROJECT_LOGGER)
+    if logger.handlers and not project.handlers:
+        for handler in logger.handlers:
+            project.addHandler(handler)
+        project.setLevel(logging.INFO)
+        project.propagate = False
