@@ -211,3 +211,15 @@ def test_the_engine_imports_ray_only_in_its_ray_executor():
     found = {m: lines for m, lines in ray_imports().items() if in_package(m, "app.engine") and m not in RAY_IN_ENGINE}
     assert not found, f"Ray imported in app.engine outside {sorted(RAY_IN_ENGINE)}: {found}"
     assert set(ray_imports()) & RAY_IN_ENGINE == RAY_IN_ENGINE, "RAY_IN_ENGINE names a module that no longer imports Ray"
+
+
+def test_building_the_application_imports_no_torch():
+    """`serve run` imports the builder in its build step before any replica starts: torch (seconds
+    with a CUDA build) is imported by the LLMServer replica's engine, not there."""
+    import subprocess
+    import sys
+
+    code = "import sys, app.deployments.builder; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stdout[:500]

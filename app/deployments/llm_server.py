@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 
 from app.config import ServerConfig
 from app.deployments import logs
-from app.engine.async_engine import AsyncLLMEngine
 from app.engine.outputs import RequestOutput
 from app.kv_events.schema import KVEvent
 from app.kv_events.wire import encode_batch
@@ -54,9 +53,13 @@ class LLMServer:
         self._status_ref = None  # an index.status call in flight (polled without waiting)
         self._zmq = _zmq_publisher(config.kv_events_endpoint) if config.kv_events_endpoint else None
         t0 = time.perf_counter()
+        # The engine (torch, the kernels) is imported here, in the replica, not where the application
+        # is built: `serve run`'s build step then imports no torch.
         if engine_cls is None and config.engine.backend == "vllm":
             from app.engine.vllm_engine import VLLMEngine as engine_cls
-        self.engine = (engine_cls or AsyncLLMEngine)(
+        elif engine_cls is None:
+            from app.engine.async_engine import AsyncLLMEngine as engine_cls
+        self.engine = engine_cls(
             config.engine, max_queued_requests=config.max_queued_requests, on_kv_events=self._on_kv_events,
             request_timeout_s=config.request_timeout_s, step_timeout_s=config.step_timeout_s
         )
