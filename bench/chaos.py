@@ -275,11 +275,7 @@ class Chaos:
         self.events.append((self.index_killed_at, "killed the KV index actor"))
         while self.now() - self.index_killed_at < 60:
             await asyncio.sleep(0.5)
-            try:
-                index = get_index(APP)
-                stats = await asyncio.wait_for(index.stats.remote(), 2) if index is not None else None
-            except Exception:
-                continue
+            stats = await _ask_index("stats")
             # Every replica that survived the kill holds blocks and publishes them to the new index;
             # the killed one's replacement holds blocks only once a request has landed on it.
             if stats and stats["epoch"] != old_epoch and survivors <= set(stats["replicas"]):
@@ -291,15 +287,8 @@ class Chaos:
         """Seconds from the kill until a replica not among `before` reports its stats to the index
         (it does so once its engine is up and its event loop runs): replica_back_after_s. Waited for
         past the end of the load, up to timeout_s."""
-        from app.router.index_actor import get_index
-
         while self.now() - killed_at < timeout_s:
-            try:
-                index = get_index(APP)
-                stats = await asyncio.wait_for(index.replica_stats.remote(), 2) if index is not None else {}
-            except Exception:
-                stats = {}
-            new = set(stats) - before
+            new = set(await _ask_index("replica_stats") or {}) - before
             if new:
                 self.replica_back_after_s = self.now() - killed_at
                 self.events.append((self.now(), f"replacement replica {min(new)} reports to the index"))
@@ -335,6 +324,17 @@ class Chaos:
                         "follow_ups": len(follow)})
             start += width
         return out
+
+
+async def _ask_index(method: str):
+    """The application's index actor's answer to `method`, or None while it is down or being replaced."""
+    from app.router.index_actor import get_index
+
+    try:
+        index = get_index(APP)
+        return await asyncio.wait_for(getattr(index, method).remote(), 2) if index is not None else None
+    except Exception:
+        return None
 
 
 def replica_actor_ids(ray) -> set[str]:

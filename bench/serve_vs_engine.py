@@ -215,28 +215,18 @@ def row(path: str, workload: str, streams: list[Stream], expected: int, wall_s: 
 
 async def warm_up(path: str, args: argparse.Namespace, vocab_size: int, send, send_batch=None,
                   kinds=("throughput", "sessions")) -> None:
-    """Every workload once, untimed, with prompts of their own: each throughput shape at its full
-    size with at most 8 output tokens (its prefill steps, batch sizes and mixed steps: Triton
-    specializes kernels on sizes, and a 16-request warm-up left the first path on a fresh H100
-    compiling inside its timed run, 9.8 s against 5.0 s warm), the sessions with 2 x 2 turns. So the
-    kernels a path's process compiles or loads on first use are ready before the timed runs,
-    whichever path ran first on the machine."""
+    """Every workload once, untimed, with prompts of their own (their own seed): each throughput
+    shape at its full size with at most 8 output tokens (its prefill steps, batch sizes and mixed
+    steps: Triton specializes kernels on sizes, and a 16-request warm-up left the first path on a
+    fresh H100 compiling inside its timed run, 9.8 s against 5.0 s warm), the sessions with 2 x 2
+    turns. So the kernels a path's process compiles or loads on first use are ready before the timed
+    runs, whichever path ran first on the machine."""
     start = time.perf_counter()
-    for name, kind, shape in workloads(args):
-        seed = f"{args.seed}-{path}-{name}-warmup"
-        if kind not in kinds:
-            continue
-        if kind == "throughput":
-            n, length, out = shape
-            prompts = throughput_prompts((n, length, out), vocab_size, seed)
-            if send_batch is not None:
-                send_batch(prompts, min(out, 8))
-            else:
-                await asyncio.gather(*(send(p, min(out, 8), False) for p in prompts))
-        else:
-            small = argparse.Namespace(**{**vars(args), "sessions": min(args.sessions, 2), "turns": min(args.turns, 2)})
-            await run_sessions(session_prompts(small, vocab_size, seed), min(args.session_reply, 8),
-                               lambda p, m: send(p, m, True))
+    small = argparse.Namespace(**{
+        **vars(args), "warmup": False, "seed": f"{args.seed}-warmup",
+        "shapes": [(n, length, min(out, 8)) for n, length, out in args.shapes],
+        "sessions": min(args.sessions, 2), "turns": min(args.turns, 2), "session_reply": min(args.session_reply, 8)})
+    await run_workloads(path, small, vocab_size, send, send_batch, kinds)
     print(f"[{path}] warmed up in {time.perf_counter() - start:.1f} s", flush=True)
 
 

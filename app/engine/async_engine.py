@@ -40,8 +40,8 @@ class _Stream:
     held: dict[int, list[RequestOutput]]  # choice -> outputs not delivered yet (stream False)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, item in items:
+def _put_all(items: list[tuple[str, asyncio.Queue, object]]) -> None:
+    for _, queue, item in items:
         queue.put_nowait(item)
 
 
@@ -234,8 +234,7 @@ class AsyncLLMEngine:
         """Hand (request id, output or error) pairs to their streams: one wake-up of each caller's
         loop for all of them. A stream with stream=False gets its outputs' first and, merged,
         final one per choice (and any error at once)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        rids: dict[asyncio.AbstractEventLoop, list[str]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue, object]]] = {}
         for rid, item in items:
             target = self._streams.get(rid)
             if target is None:
@@ -249,13 +248,12 @@ class AsyncLLMEngine:
                 held = target.held.pop(i, None)
                 if held:
                     item = merge_outputs([*held, item])
-            by_loop.setdefault(target.loop, []).append((target.queue, item))
-            rids.setdefault(target.loop, []).append(rid)
+            by_loop.setdefault(target.loop, []).append((rid, target.queue, item))
         for loop, batch in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the caller's loop is closed: nobody is listening
-                self._aborts.extend(rids[loop])
+                self._aborts.extend(rid for rid, _, _ in batch)
 
     def _expire(self) -> None:
         """Abort the requests past their deadline (their streams raise RequestTimeoutError)."""
