@@ -14,7 +14,11 @@ every path generates exactly its max_tokens.
 - streaming sessions: S concurrent sessions of T turns; turn t's prompt is turn t-1's plus
   --session-append new tokens (the reply is not appended, so every path sends the same ids), after
   a --session-prefix shared by all sessions; --session-reply tokens each; TTFT and inter-token
-  latency (gaps between streamed chunks) p50/p99.
+  latency (gaps between streamed chunks) p50/p99, and where the mean TTFT goes: the client's mean,
+  the ingress's (from handing a request to a replica to its first output: /metrics'
+  llm_time_to_first_token_seconds) and the engine's own (arrival in the engine to the first token:
+  llm_engine_time_to_first_token_seconds over llm_engine_first_tokens), each over the workload's
+  requests (counter deltas).
 
 Each path draws its own token ids (same shapes), so no path finds another's prompts in the prefix
 cache. "vs engine" is the path's output tok/s over the engine's on the same workload.
@@ -210,6 +214,7 @@ def row(path: str, workload: str, streams: list[Stream], expected: int, wall_s: 
             "answered": sum(s.num_tokens == expected for s in streams), "expected_tokens": expected,
             "output_tokens": output_tokens, "wall_s": wall_s, "output_tok_per_s": output_tokens / wall_s,
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+            "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99)}
 
 
@@ -231,10 +236,12 @@ async def warm_up(path: str, args: argparse.Namespace, vocab_size: int, send, se
 
 
 async def run_workloads(path: str, args: argparse.Namespace, vocab_size: int, send, send_batch=None,
-                        kinds=("throughput", "sessions")) -> list[dict]:
+                        kinds=("throughput", "sessions"), ttft_split=None) -> list[dict]:
     """The workloads of `kinds` on one path. send(prompt, max_tokens, stream) -> Stream;
     send_batch(prompts, max_tokens) -> list[Stream] replaces concurrent sends for the throughput
-    shapes (the engine's offline LLM.generate)."""
+    shapes (the engine's offline LLM.generate). ttft_split(before: dict | None, num_requests) ->
+    counters: called before the sessions (None, 0) and after them (the counters before, how many
+    requests ran), which then returns the sessions' mean TTFTs by stage (TTFT_STAGES)."""
     rows = []
     if args.warmup:
         await warm_up(path, args, vocab_size, send, send_batch, kinds)
@@ -242,6 +249,7 @@ async def run_workloads(path: str, args: argparse.Namespace, vocab_size: int, se
         if kind not in kinds:
             continue
         seed = f"{args.seed}-{path}-{name}"
+        print(f"[{path}] {name} ...", flush=True)
         if kind == "throughput":
             prompts, max_tokens = throughput_prompts(shape, vocab_size, seed), shape[2]
             start = time.perf_counter()
@@ -252,11 +260,78 @@ async def run_workloads(path: str, args: argparse.Namespace, vocab_size: int, se
             rows.append(row(path, name, streams, max_tokens, time.perf_counter() - start, len(prompts)))
         else:
             sessions = session_prompts(args, vocab_size, seed)
+            before = await ttft_split(None, 0) if ttft_split else None
             start = time.perf_counter()
             streams = await run_sessions(sessions, args.session_reply, lambda p, m: send(p, m, True))
-            rows.append(row(path, name, streams, args.session_reply, time.perf_counter() - start,
-                            args.sessions * args.turns))
+            r = row(path, name, streams, args.session_reply, time.perf_counter() - start, args.sessions * args.turns)
+            if ttft_split:
+                r.update(await ttft_split(before, r["requests"]))
+            rows.append(r)
+        print(f"[{path}] {name}: {rows[-1]['wall_s']:.2f} s", flush=True)
     return rows
+
+
+# -- where the time to first token goes ----------------------------------------------------------
+
+TTFT_STAGES = ("ingress_ttft_mean_s", "engine_ttft_mean_s")
+
+
+def ttft_counters(metrics_text: str) -> dict:
+    """The TTFT counters of one /metrics scrape: the ingress histogram's sum and count (every
+    endpoint) and the engines' first tokens and their summed times (every replica)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = dict.fromkeys(("ingress_sum", "ingress_count", "engine_sum", "engine_count"), 0.0)
+    names = {"llm_time_to_first_token_seconds_sum": "ingress_sum",
+             "llm_time_to_first_token_seconds_count": "ingress_count",
+             "llm_engine_time_to_first_token_seconds_total": "engine_sum",
+             "llm_engine_first_tokens_total": "engine_count"}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in names:
+                totals[names[sample.name]] += sample.value
+    return totals
+
+
+def ttft_means(before: dict, after: dict) -> dict:
+    """Mean TTFT by stage between two counter readings (None where no request counted)."""
+    def mean(stage: str) -> float | None:
+        n = after[f"{stage}_count"] - before[f"{stage}_count"]
+        return (after[f"{stage}_sum"] - before[f"{stage}_sum"]) / n if n > 0 else None
+
+    return {"ingress_ttft_mean_s": mean("ingress"), "engine_ttft_mean_s": mean("engine")}
+
+
+def metrics_ttft_split(url: str):
+    """ttft_split for a serving path: /metrics read before and after. The ingress counts at once, the
+    engines' counters reach /metrics through the index once a second: each reading waits (up to 10 s)
+    until the engines have counted as many first tokens as the ingress (every request is n=1)."""
+    async def split(before: dict | None, num_requests: int) -> dict:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            deadline = time.monotonic() + 10
+            while True:
+                r = await client.get("/metrics")
+                r.raise_for_status()
+                counters = ttft_counters(r.text)
+                if counters["engine_count"] >= counters["ingress_count"] or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.25)
+        return counters if before is None else ttft_means(before, counters)
+
+    return split
+
+
+def engine_ttft_split(engine):
+    """ttft_split for the engine alone: its own stats (no ingress)."""
+    def read() -> dict:
+        stats = engine.stats()
+        return {"ingress_sum": 0.0, "ingress_count": 0.0, "engine_sum": stats["time_to_first_token_s_total"],
+                "engine_count": stats["num_first_tokens_total"]}
+
+    async def split(before: dict | None, num_requests: int) -> dict:
+        return read() if before is None else ttft_means(before, read())
+
+    return split
 
 
 # -- the paths ---------------------------------------------------------------------------------------
@@ -290,11 +365,13 @@ def serving_paths(args: argparse.Namespace, vocab_size: int) -> tuple[float, lis
                     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
                         if "http" in args.paths:
                             rows.extend(await run_workloads(
-                                "http", args, vocab_size, lambda p, m, st: http_request(client, p, m, st)))
+                                "http", args, vocab_size, lambda p, m, st: http_request(client, p, m, st),
+                                ttft_split=metrics_ttft_split(url)))
                     if "handle" in args.paths:
                         handle = serve.get_app_handle(APP)
                         rows.extend(await run_workloads(
-                            "handle", args, vocab_size, lambda p, m, st: handle_request(handle, p, m, st)))
+                            "handle", args, vocab_size, lambda p, m, st: handle_request(handle, p, m, st),
+                            ttft_split=metrics_ttft_split(url)))
 
                 asyncio.run(drive())
     finally:
@@ -328,7 +405,7 @@ def engine_path(args: argparse.Namespace, vocab_size: int) -> list[dict]:
         engine = AsyncLLMEngine(engine=llm.engine)
         try:
             return await run_workloads("engine", args, vocab_size, lambda p, m, st: engine_request(engine, p, m),
-                                       kinds=("sessions",))
+                                       kinds=("sessions",), ttft_split=engine_ttft_split(llm.engine))
         finally:
             engine.shutdown()
 
@@ -359,12 +436,15 @@ def _ms(value: float | None) -> str:
 
 def to_markdown(rows: list[dict]) -> str:
     lines = ["| workload | path | answered | output tokens | wall s | output tok/s | vs engine | TTFT p50 / p99 ms "
-             "| ITL p50 / p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
+             "| TTFT mean: client / ingress / engine ms | ITL p50 / p99 ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "n/a" if r["vs_engine"] is None else f"{r['vs_engine']:.3f}x"
+        means = ("" if r.get("engine_ttft_mean_s") is None and r.get("ingress_ttft_mean_s") is None else
+                 f"{_ms(r['ttft_mean_s'])} / {_ms(r['ingress_ttft_mean_s'])} / {_ms(r['engine_ttft_mean_s'])}")
         lines.append(f"| {r['workload']} | {r['path']} | {r['answered']}/{r['requests']} | {r['output_tokens']:,} "
                      f"| {r['wall_s']:.2f} | {r['output_tok_per_s']:,.1f} | {ratio} "
-                     f"| {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} | {_ms(r['itl_p50_s'])} / {_ms(r['itl_p99_s'])} |")
+                     f"| {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} | {means} "
+                     f"| {_ms(r['itl_p50_s'])} / {_ms(r['itl_p99_s'])} |")
     return "\n".join(lines)
 
 

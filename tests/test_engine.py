@@ -3,6 +3,7 @@
 Every equivalence here is exact: greedy tokens must be identical.
 """
 
+import time
 import pytest
 import torch
 
@@ -362,3 +363,17 @@ def test_engine_reports_its_start_up_phases(stories_paths):
     assert "cuda_graphs" not in phases  # none on the CPU
     assert all(v >= 0 for v in phases.values())
     assert sum(v for k, v in phases.items() if k != "total") <= phases["total"]
+
+
+def test_engine_counts_its_time_to_first_token(stories_paths):
+    """stats() sums each request's (each choice's) time from arriving in the engine to its first
+    token: the ratio is the engine's mean, which /metrics shows beside the ingress's own."""
+    model, tokenizer = stories_paths
+    llm = LLM(model=model, tokenizer=tokenizer)
+    assert llm.engine.stats()["num_first_tokens_total"] == 0
+    start = time.perf_counter()
+    llm.generate(["Once upon a time", "One day"], SamplingParams(max_tokens=3, n=2, seed=0))
+    wall = time.perf_counter() - start
+    stats = llm.engine.stats()
+    assert stats["num_first_tokens_total"] == 4
+    assert 0 < stats["time_to_first_token_s_total"] <= 4 * wall

@@ -251,6 +251,11 @@ def test_health_and_metrics(base_url, client):
     for name in ("llm_engine_running_requests", "llm_engine_waiting_requests", "llm_engine_kv_blocks_used",
                  "llm_engine_prefix_cache_hit_tokens_total", "llm_engine_preemptions_total"):
         assert f'{name}{{replica_id="{replica_id}"}}' in text
+    # the engine's own time to first token: counted (stats reach the index once a second)
+    assert wait_until(lambda: metric(httpx.get(f"{base_url}/metrics").text, "llm_engine_first_tokens_total",
+                                     replica_id=replica_id) >= 1, timeout_s=30)
+    text = httpx.get(f"{base_url}/metrics").text
+    assert 0 < metric(text, "llm_engine_time_to_first_token_seconds_total", replica_id=replica_id) < 60
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(base_url):

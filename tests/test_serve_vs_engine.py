@@ -32,3 +32,9 @@ def test_serve_vs_engine_runs_and_its_counts_add_up(tmp_path):
         assert (r["vs_engine"] == 1.0) == (path == "engine")
         if workload != "6x48+8":  # streamed: a first token and gaps between the others, per request
             assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and 0 < r["itl_p50_s"] <= r["itl_p99_s"], r
+            # the mean TTFT by stage: each stage starts later and ends no later than the one outside it
+            assert 0 < r["engine_ttft_mean_s"] <= r["ttft_mean_s"], r
+            if path == "engine":
+                assert r["ingress_ttft_mean_s"] is None
+            else:
+                assert r["engine_ttft_mean_s"] <= r["ingress_ttft_mean_s"] <= r["ttft_mean_s"], r

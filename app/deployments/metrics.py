@@ -34,6 +34,12 @@ _ENGINE_SERIES = (
      "num_prefix_hit_tokens_total", "counter"),
     ("llm_engine_preemptions", "Requests preempted (KV blocks ran out) since start.", "num_preemptions_total",
      "counter"),
+    ("llm_engine_first_tokens", "Requests (choices) that got their first token since start.",
+     "num_first_tokens_total", "counter"),
+    ("llm_engine_time_to_first_token_seconds", "Sum over llm_engine_first_tokens of the time from a request's "
+     "arrival in the engine to its first token (its mean: the two counters' ratio; the ingress's "
+     "llm_time_to_first_token_seconds less this is the serving path's part).", "time_to_first_token_s_total",
+     "counter"),
 )
 
 
@@ -69,7 +75,8 @@ class IngressMetrics:
         self.requests = Counter("llm_requests", "Requests by endpoint and HTTP status (499: the caller went "
                                 "away).", ["endpoint", "status"], registry=r)
         self.time_to_first_token = Histogram(
-            "llm_time_to_first_token_seconds", "From the request reaching the ingress to its first token.",
+            "llm_time_to_first_token_seconds", "From the ingress handing the request to a replica (parsed, "
+            "tokenized, hashed; the replica still to pick) to its first token.",
             ["endpoint"], buckets=_TTFT_BUCKETS, registry=r)
         self.time_per_output_token = Histogram(
             "llm_time_per_output_token_seconds", "Mean time between output tokens after the first, per request.",

@@ -131,6 +131,8 @@ class LLMEngine:
         self.num_kv_events_dropped = 0
         self.kv_manager.pool.subscribe(self._record_kv_event)
         self.peak_num_running = 0
+        self.num_first_tokens_total = 0
+        self.time_to_first_token_s_total = 0.0
         # Per-step records for benchmarks: set to a list and every step that runs the model appends
         # {schedule_s, prepare_s, forward_s, sample_s, output_s, total_s, num_seqs, num_tokens,
         # decode_only, graph, start, end}; with sync_step_timings the device is synchronized between
@@ -419,6 +421,9 @@ class LLMEngine:
         outputs = failed
         for rid in sampled:
             state = self._requests[rid]
+            if not state.metrics.token_times:  # its first token: the engine's own time to first token
+                self.num_first_tokens_total += 1
+                self.time_to_first_token_s_total += t2 - state.metrics.arrival_time
             state.metrics.token_times.append(t2)
             stop = state.detokenizer.append([sampled[rid]])
             if stop is not None:
@@ -546,6 +551,9 @@ class LLMEngine:
             "kv_cache_usage": self.kv_manager.usage,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "peak_num_running": self.peak_num_running,
+            # sums over requests since start (arrival in the engine to first token), for means
+            "num_first_tokens_total": self.num_first_tokens_total,
+            "time_to_first_token_s_total": self.time_to_first_token_s_total,
         }
 
 
