@@ -65,6 +65,9 @@ def deploy(replicas: int, kv_router: bool, engine_overrides: dict, model_id: str
         status = serve.status().applications.get(APP)
         if status is not None and status.status == "RUNNING":
             return
+        if status is not None and status.status == "DEPLOY_FAILED":  # Serve gave up: say why, at once
+            why = "\n".join(f"{name}: {d.status}: {d.message}" for name, d in status.deployments.items() if d.message)
+            raise RuntimeError(f"application {APP} failed to deploy: {status.message}\n{why}")
         time.sleep(1)
     raise TimeoutError(f"application {APP} not running after 600 s: {serve.status()}")
 

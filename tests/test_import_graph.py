@@ -223,3 +223,17 @@ def test_building_the_application_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "[]", out.stdout[:500]
+
+
+def test_starting_an_engine_and_generating_imports_no_torch_dynamo():
+    """A replica's engine never compiles with dynamo, so it does not pay torch._dynamo's import
+    (1.1 s here, 3.4 s on an H100 machine without bytecode caches: nn.Embedding's own init on the
+    meta device imported it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom app import LLM, SamplingParams\nllm = LLM(model='tiny-llama')\n"
+            "llm.generate(['hi'], SamplingParams(max_tokens=2))\nprint('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout[-500:]
