@@ -12,12 +12,13 @@ from app.engine.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class GenerateRequest:
-    """One engine request, as the ingress (or a Python caller) sends it to a replica."""
+    """One engine request, as the ingress (or a Python caller) sends it to a replica. The replica's
+    outputs do not carry the prompt back (RequestOutput.prompt None, prompt_token_ids empty): the
+    caller has it, and a streamed output would otherwise carry every prompt id once per step."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    prompt: str | None = None  # the text, for outputs; the engine only reads the ids
     session_id: str | None = None  # agent session (x-session-id or `user`), for routing
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the prompt's full blocks
     # False: the replica sends only the first output (the prompt is computed) and each choice's

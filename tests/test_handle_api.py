@@ -130,3 +130,20 @@ def test_client_errors_are_one_warning_line_in_the_replica_logs(handle):
             time.sleep(0.5)
         assert f"WARNING" in text and f"request refused ({error})" in text, deployment
         assert "Request failed." not in text and "Traceback" not in text, deployment
+
+
+def test_a_replica_streams_outputs_without_the_prompt(handle):
+    """LLMServer's outputs leave the prompt with the caller (it sent it): a streamed output would
+    otherwise carry every prompt id once per step. The ingress puts it back (usage, echo)."""
+    from app.engine.sampling_params import SamplingParams
+    from app.serving_types import GenerateRequest
+
+    llm_server = serve.get_deployment_handle("LLMServer", app_name=APP)
+    request = GenerateRequest(request_id="no-prompt-back", prompt_token_ids=list(range(1, 200)),
+                              sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+    outs = list(llm_server.options(stream=True).generate.remote(request))
+    assert outs and outs[-1].finished and len(outs[-1].token_ids) == 4
+    assert all(o.prompt_token_ids == [] and o.prompt is None for o in outs)
+    [echoed] = list(handle.options(stream=True).completions.remote(
+        {"model": TINY, "prompt": "abc", "max_tokens": 2, "echo": True}))
+    assert echoed.choices[0].text.startswith("abc") and echoed.usage.prompt_tokens >= 3  # (a BOS, byte tokens)

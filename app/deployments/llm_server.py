@@ -83,10 +83,9 @@ class LLMServer:
         async for out in self.engine.generate(
             request.prompt_token_ids, request.sampling_params, request_id=request.request_id, stream=request.stream
         ):
-            if request.prompt is not None:
-                out.prompt = request.prompt
             if request.stream or first or out.finished:
                 first = False
+                out.prompt, out.prompt_token_ids = None, []  # the caller has them (GenerateRequest)
                 yield out
 
     async def model_info(self) -> ModelInfo:

@@ -260,7 +260,7 @@ class OpenAIServing:
         Closing this early (or cancelling its task) cancels the replica's stream: the engine aborts."""
         await self._admit(prompt_ids, params, fields)
         generate_request = GenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params, prompt=prompt_text,
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
             session_id=session_id, block_hashes=hash_request_tokens(prompt_ids, self.config.engine.block_size),
             stream=stream)
         m = self.metrics
@@ -289,6 +289,7 @@ class OpenAIServing:
                     if max(num_tokens) > 1:  # the choices decode side by side: time per token of the longest
                         m.time_per_output_token.labels(endpoint).observe(
                             (time.perf_counter() - t_first) / (max(num_tokens) - 1))
+                out.prompt, out.prompt_token_ids = prompt_text, prompt_ids  # a replica does not send them back
                 yield out
         except Exception as e:
             raise to_openai_error(e, fields, self.config.retry_after_s) from e
