@@ -1659,15 +1659,19 @@ void prefill_bf16(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, doub
 #endif
 }
 
+// The kernels run without the GIL (their arguments are converted before, their results after): a
+// replica's event loop (requests in, outputs out) runs in another thread of the same process while
+// the engine thread is in a kernel; holding it there stalled that loop for milliseconds a step.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("prefill_bf16", &prefill_bf16, "prefill attention in bf16 (AVX512-BF16), causal or not, with the LSE");
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("prefill_bf16", &prefill_bf16, "prefill attention in bf16 (AVX512-BF16), causal or not, with the LSE", nogil);
   m.def("has_prefill_bf16", &has_prefill_bf16, "whether prefill_bf16 was built");
-  m.def("decode", &decode, "paged decode attention over dense / fp8 / fp4 pages");
-  m.def("gather", &gather, "dequantize paged blocks into a contiguous tensor");
-  m.def("store_fp4", &store_fp4, "quantize vectors to fp4 and write them to their slots");
-  m.def("rms_norm", &rms_norm, "RMSNorm with the residual added first");
-  m.def("rope_qk", &rope_qk, "RoPE on the query and key parts of the fused projection");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("nonfinite_tokens", &nonfinite_tokens, "tokens whose K or V holds NaN/Inf");
-  m.def("store_fp8", &store_fp8, "quantize vectors to fp8 (a scale per vector) and write them to their slots");
+  m.def("decode", &decode, "paged decode attention over dense / fp8 / fp4 pages", nogil);
+  m.def("gather", &gather, "dequantize paged blocks into a contiguous tensor", nogil);
+  m.def("store_fp4", &store_fp4, "quantize vectors to fp4 and write them to their slots", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm with the residual added first", nogil);
+  m.def("rope_qk", &rope_qk, "RoPE on the query and key parts of the fused projection", nogil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", nogil);
+  m.def("nonfinite_tokens", &nonfinite_tokens, "tokens whose K or V holds NaN/Inf", nogil);
+  m.def("store_fp8", &store_fp8, "quantize vectors to fp8 (a scale per vector) and write them to their slots", nogil);
 }
