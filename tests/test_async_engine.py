@@ -265,3 +265,49 @@ def test_a_seed_no_generator_takes_fails_only_its_request(stories_paths):
         assert ok[-1].finish_reason == "length" and not eng.is_dead
     finally:
         eng.shutdown()
+
+
+def test_caller_block_hashes_are_used_and_wrong_ones_change_no_output(engine, monkeypatch):
+    """The ingress passes the prompt's block hashes (it computed them to route): the engine uses them
+    instead of hashing again, and hashes that do not belong to the prompt (another prompt's, the
+    wrong count) cost prefix-cache hits at most, never a wrong token, theirs or anyone else's."""
+    from app.kv_events.block_hash import hash_request_tokens
+
+    bs = engine.engine.kv_manager.block_size
+    ids_a = engine.engine.tokenizer.encode("Once upon a time, there was a little girl named Lily. " * 6)
+    ids_b = engine.engine.tokenizer.encode("One day, a big red dog ran into the park to play with a ball. " * 6)
+    assert len(ids_a) >= 3 * bs and len(ids_b) >= 3 * bs
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def text(prompt, **kw):
+        outs = asyncio.run(_collect_kw(engine, prompt, params, **kw))
+        return "".join(o.delta_text for o in outs), outs[0].num_cached_tokens
+
+    alone_a, _ = text(ids_a)
+    alone_b, _ = text(ids_b)
+    hashes_a = hash_request_tokens(ids_a, bs)
+    # the right hashes: the same text, and the next request with that prompt hits the cache
+    assert text(ids_a, block_hashes=hashes_a)[0] == alone_a
+    again, cached = text(ids_a, block_hashes=hashes_a)
+    assert again == alone_a and cached >= bs
+    # used: the engine does not hash a prompt whose hashes it was given
+    import app.engine.sequence as sequence
+
+    calls = []
+    monkeypatch.setattr(sequence, "hash_request_tokens", lambda *a, **k: calls.append(1) or hash_request_tokens(*a, **k))
+    one = SamplingParams(temperature=0, max_tokens=1)
+    asyncio.run(_collect_kw(engine, ids_a, one, block_hashes=hashes_a))
+    assert calls == []
+    asyncio.run(_collect_kw(engine, ids_a, one))
+    assert calls == [1]
+    # b's prompt under a's hashes (a lying caller): b's own text; then a and b as before
+    lying = (hashes_a * 2)[:len(ids_b) // bs]
+    assert text(ids_b, block_hashes=lying)[0] == alone_b
+    assert text(ids_a)[0] == alone_a
+    assert text(ids_b)[0] == alone_b
+    # the wrong count is ignored
+    assert text(ids_b, block_hashes=[1, 2])[0] == alone_b
+
+
+async def _collect_kw(eng, prompt, params, **kw):
+    return [o async for o in eng.generate(prompt, params, **kw)]

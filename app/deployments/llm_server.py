@@ -81,7 +81,8 @@ class LLMServer:
         handle) before the first output."""
         first = True
         async for out in self.engine.generate(
-            request.prompt_token_ids, request.sampling_params, request_id=request.request_id, stream=request.stream
+            request.prompt_token_ids, request.sampling_params, request_id=request.request_id, stream=request.stream,
+            block_hashes=request.block_hashes or None,
         ):
             if request.stream or first or out.finished:
                 first = False

@@ -51,6 +51,7 @@ class _Add:
     prompt: str | Seq[int]
     prompt_ids: list[int]
     params: SamplingParams
+    block_hashes: Seq[int] | None
 
 
 class AsyncLLMEngine:
@@ -136,11 +137,13 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         stream: bool = True,
+        block_hashes: Seq[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (deltas; the last one has finished=True). With params.n > 1
         the choices' outputs interleave (RequestOutput.index), each choice finishing on its own.
         With stream False each choice gives its first output and then one final output carrying
         every delta since (the engine thread merges them: the caller's loop is not woken per step).
+        block_hashes: the prompt's block hashes if the caller has them (LLMEngine._add_validated).
 
         Raises InvalidRequestError (nothing queued) for a bad request, EngineOverloadedError when
         the queue is full, EngineDeadError when the engine loop has failed, RequestFailedError when
@@ -171,7 +174,7 @@ class AsyncLLMEngine:
             # delivers it too, for when the engine thread is stuck in a step (the first one counts).
             timer = loop.call_later(self.request_timeout_s,
                                     lambda: queue.put_nowait(self._timeout_error(request_id)))
-        self._adds.append(_Add(request_id, prompt, prompt_ids, params))
+        self._adds.append(_Add(request_id, prompt, prompt_ids, params, block_hashes))
         self._wake.set()
         num_finished, held = 0, None  # choices finished; an output read ahead of its turn
         try:
@@ -274,7 +277,7 @@ class AsyncLLMEngine:
             if add.request_id not in self._streams:
                 continue  # cancelled before it was queued
             try:
-                engine._add_validated(add.request_id, add.prompt, add.prompt_ids, add.params)
+                engine._add_validated(add.request_id, add.prompt, add.prompt_ids, add.params, add.block_hashes)
                 self.num_requests_total += 1
             except InvalidRequestError as e:
                 self._deliver(add.request_id, e)

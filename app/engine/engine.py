@@ -190,12 +190,21 @@ class LLMEngine:
         self._add_validated(request_id, prompt, self.validate(prompt, params), params)
 
     def _add_validated(
-        self, request_id: str, prompt: str | Seq[int], prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt: str | Seq[int], prompt_ids: list[int], params: SamplingParams,
+        block_hashes: Seq[int] | None = None,
     ) -> None:
         """add_request for a prompt that validate() accepted. With params.n > 1, one sequence per
-        choice ("<request_id>#<i>"), their outputs under request_id with their index."""
+        choice ("<request_id>#<i>"), their outputs under request_id with their index.
+
+        block_hashes: the prompt's full blocks' hashes as the caller computed them (the ingress does,
+        to route), so that the engine thread does not hash the prompt again; used only when there is
+        one per full block. A wrong value cannot return wrong KV: the prefix cache matches blocks in
+        order from the first and compares each block's tokens, so a run of hits is a run of equal
+        tokens; a wrong hash costs misses and mislabelled KV events (routing), nothing else."""
+        if block_hashes is not None and len(block_hashes) != len(prompt_ids) // self.kv_manager.block_size:
+            block_hashes = None
         if params.n == 1:
-            self._add_sequence(request_id, 0, request_id, prompt, prompt_ids, params)
+            self._add_sequence(request_id, 0, request_id, prompt, prompt_ids, params, block_hashes)
             return
         with self._lock:
             if request_id in self._requests or request_id in self._choices:
@@ -204,7 +213,7 @@ class LLMEngine:
             try:  # the scheduler holds choices 1.. until choice 0 has computed the prompt's full blocks
                 for i in range(params.n):
                     ids.append(f"{request_id}#{i}")
-                    self._add_sequence(ids[-1], i, request_id, prompt, prompt_ids, params.choice(i))
+                    self._add_sequence(ids[-1], i, request_id, prompt, prompt_ids, params.choice(i), block_hashes)
             except BaseException:
                 self.scheduler.finish_requests(ids, SequenceStatus.FINISHED_ABORTED)
                 for sid in ids:
@@ -213,8 +222,10 @@ class LLMEngine:
             self._choices[request_id] = ids
 
     def _add_sequence(self, seq_id: str, index: int, request_id: str, prompt: str | Seq[int],
-                      prompt_ids: list[int], params: SamplingParams) -> None:
+                      prompt_ids: list[int], params: SamplingParams, block_hashes: Seq[int] | None = None) -> None:
         seq = Sequence(seq_id, prompt_ids, params)
+        if block_hashes:
+            seq.block_hashes = list(block_hashes)
         detok = IncrementalDetokenizer(
             self.tokenizer,
             stop=params.stop,

@@ -272,12 +272,13 @@ class VLLMEngine:
             check_structured_outputs(params.structured_outputs)
         return ids, params
 
-    async def generate(self, prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None, stream: bool = True) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       stream: bool = True, block_hashes=None) -> AsyncIterator[RequestOutput]:
         """As AsyncLLMEngine.generate: deltas per choice (RequestOutput.index), the last one of each
         choice finished; InvalidRequestError / EngineOverloadedError / EngineDeadError before any output,
         RequestTimeoutError past request_timeout_s. Stopping early aborts the request in vLLM.
-        `stream` is accepted for AsyncLLMEngine's signature; every delta comes as vLLM gives it."""
+        `stream` and `block_hashes` are accepted for AsyncLLMEngine's signature; every delta comes as
+        vLLM gives it, and vLLM hashes the prompt itself."""
         self.check_health()
         prompt_ids, params = self._validate(prompt, params)
         request_id = request_id or uuid.uuid4().hex
