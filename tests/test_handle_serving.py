@@ -145,3 +145,44 @@ def test_prompts_that_cannot_fit_are_refused_before_a_replica_is_called(serving,
         collect(serving.chat({"model": "tiny-llama", "messages": [{"role": "user", "content": "x" * 240}],
                               "max_completion_tokens": 10}))
     assert server.streams == []
+
+
+def test_a_prompt_text_sent_again_is_not_tokenized_again(serving, server, monkeypatch):
+    """The ingress keeps recent prompts' ids and block hashes: the same text again (completions or
+    chat) sends the same ids and hashes without calling the tokenizer."""
+    calls = []
+    encode = serving.tokenizer.encode
+    monkeypatch.setattr(serving.tokenizer, "encode", lambda *a, **k: calls.append(a[0]) or encode(*a, **k))
+    body = {"model": "tiny-llama", "prompt": "Plan the rollout of the fleet. " * 5, "max_tokens": 2}
+    collect(serving.completions(body))
+    collect(serving.completions(body))
+    chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    collect(serving.chat(chat))
+    collect(serving.chat(chat))
+    assert len(calls) == 2  # once per distinct text
+    first, second, chat1, chat2 = (s.request for s in server.streams)
+    assert first.prompt_token_ids == second.prompt_token_ids == encode(body["prompt"])
+    assert first.block_hashes == second.block_hashes == hash_request_tokens(first.prompt_token_ids, BLOCK_SIZE)
+    assert chat1.prompt_token_ids == chat2.prompt_token_ids and chat1.block_hashes == chat2.block_hashes
+    first.prompt_token_ids.append(0)  # what a caller does with its ids never reaches the cache
+    collect(serving.completions(body))
+    assert server.streams[-1].request.prompt_token_ids == second.prompt_token_ids
+
+
+def test_the_prompt_cache_is_bounded_by_entries_and_tokens():
+    from app.deployments.serving import PromptCache
+
+    def encode(text, add_special_tokens=True):
+        return [1] * add_special_tokens + [ord(c) for c in text]
+
+    cache = PromptCache(max_entries=3, max_tokens=10)
+    for text in ("a", "bb", "ccc", "dd"):  # four entries: "a" goes
+        cache.get(text, True, encode, 2)
+    assert [k[0] for k in cache._entries] == ["bb", "ccc", "dd"]
+    cache.get("bb", True, encode, 2)  # a hit moves it to the back
+    cache.get("eeeeee", True, encode, 2)  # 7 tokens: "ccc" and "dd" go (10 at most)
+    assert [k[0] for k in cache._entries] == ["bb", "eeeeee"] and cache._num_tokens == 10
+    ids, hashes = cache.get("x" * 20, False, encode, 2)  # larger than the whole cache: not kept
+    assert ids == [ord("x")] * 20 and len(hashes) == 10 and ("x" * 20, False) not in cache._entries
+    assert cache.get("bb", False, encode, 2)[0] == [98, 98]  # the flag is part of the key
+    assert (cache.hits, cache.misses) == (1, 7)

@@ -32,12 +32,12 @@ class ScriptedLLMServer(FakeReplicaHandle):
             cuts.append((start, min(len(self.text), start + self.pieces[k % len(self.pieces)])))
             start, k = cuts[-1][1], k + 1
         cuts = cuts or [(0, 0)]
-        ids = request.prompt_token_ids
         for n, (a, b) in enumerate(cuts):
             await asyncio.sleep(0)
             last = n == len(cuts) - 1
             for choice in range(request.sampling_params.n):
-                yield RequestOutput(request.request_id, request.prompt, ids, self.text[:b], self.text[a:b], [120],
+                # as a replica sends them: without the prompt (the ingress has it)
+                yield RequestOutput(request.request_id, None, [], self.text[:b], self.text[a:b], [120],
                                     last, self.finish_reason if last else None, None, 0,
                                     token_ids=[120] * len(cuts) if last else None, index=choice)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -67,6 +69,39 @@ from app.engine.tokenizer import ChatTemplateError
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
+class PromptCache:
+    """Token ids and block hashes of recent prompt texts, least recently used out first.
+
+    Tokenizing runs in Python on the ingress's event loop (1.2 ms for a 3k-token prompt on a 2-core
+    VM), hashing its blocks 0.2 ms more; a prompt text sent again (the same request fanned out to
+    many agents, retries, n-way sampling as separate requests) costs a lookup instead. Exact text
+    only: both are pure functions of (text, add_special_tokens) for a given tokenizer and block size.
+    Bounded by entries and by the tokens held."""
+
+    def __init__(self, max_entries: int = 256, max_tokens: int = 1 << 20) -> None:
+        self.max_entries, self.max_tokens = max_entries, max_tokens
+        self._entries: OrderedDict[tuple[str, bool], tuple[array, tuple[int, ...]]] = OrderedDict()
+        self._num_tokens = 0
+        self.hits = self.misses = 0
+
+    def get(self, text: str, add_special_tokens: bool, encode, block_size: int) -> tuple[list[int], list[int]]:
+        key = (text, add_special_tokens)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry[0].tolist(), list(entry[1])
+        self.misses += 1
+        ids = encode(text, add_special_tokens=add_special_tokens)
+        hashes = hash_request_tokens(ids, block_size)
+        if len(ids) <= self.max_tokens:
+            self._entries[key] = (array("q", ids), tuple(hashes))
+            self._num_tokens += len(ids)
+            while len(self._entries) > self.max_entries or self._num_tokens > self.max_tokens:
+                self._num_tokens -= len(self._entries.popitem(last=False)[1][0])
+        return ids, hashes
+
+
 class OpenAIServing:
     def __init__(self, llm_server: DeploymentHandle, config: ServerConfig | dict) -> None:
         """`llm_server`: a handle to the LLMServer deployment (or anything with its `generate`,
@@ -79,6 +114,11 @@ class OpenAIServing:
                                        self.tokenizer.template_takes_tools)
         self.metrics = IngressMetrics()
         self._info: ModelInfo | None = None
+        self._prompts = PromptCache()
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+        """(token ids, block hashes) of a prompt text, through the cache of recent prompts."""
+        return self._prompts.get(text, add_special_tokens, self.tokenizer.encode, self.config.engine.block_size)
 
     # -- the handle API (the HTTP routes of OpenAIIngress call these) --------------------------------------------
     async def models(self) -> ModelList:
@@ -107,12 +147,12 @@ class OpenAIServing:
         self._check_model(request.model)
         constraint = request_constraint(request)
         text = request.prompt if isinstance(request.prompt, str) else None
-        prompt_ids = self.tokenizer.encode(text) if text is not None else list(request.prompt)
+        prompt_ids, hashes = self._encode(text) if text is not None else (list(request.prompt), None)
         fields: dict[str, str] = {}
         params = sampling_params(request, request.max_tokens, request.logprobs, fields,
                                  prompt_logprobs=request.logprobs if request.echo else None,
                                  structured_outputs=await _checked(constraint))
-        async for item in self._respond(COMPLETIONS, request, prompt_ids, params, session_id, fields, text):
+        async for item in self._respond(COMPLETIONS, request, prompt_ids, params, session_id, fields, text, hashes):
             yield item
 
     async def _completion_items(self, request: CompletionRequest, rid: str, outputs):
@@ -158,7 +198,7 @@ class OpenAIServing:
         except ChatTemplateError as e:
             raise BadRequestError(str(e), param="messages") from None
         bos = self.tokenizer.bos_token
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+        prompt_ids, hashes = self._encode(text, add_special_tokens=not (bos and text.startswith(bos)))
         fields = {"prompt": "messages", "logprobs": "top_logprobs"}
         if request.max_completion_tokens is not None:
             max_tokens = request.max_completion_tokens
@@ -170,7 +210,7 @@ class OpenAIServing:
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = sampling_params(request, max_tokens, num_logprobs, fields,
                                  structured_outputs=await _checked(constraint))
-        async for item in self._respond(CHAT, request, prompt_ids, params, session_id, fields, text):
+        async for item in self._respond(CHAT, request, prompt_ids, params, session_id, fields, text, hashes):
             yield item
 
     async def _chat_items(self, request: ChatCompletionRequest, rid: str, outputs):
@@ -242,10 +282,12 @@ class OpenAIServing:
                                                        usage=_usage(list(finals.values())))
 
     async def _respond(self, endpoint: str, request, prompt_ids: list[int], params: SamplingParams,
-                       session_id: str | None, fields: dict[str, str], prompt_text: str | None):
+                       session_id: str | None, fields: dict[str, str], prompt_text: str | None,
+                       block_hashes: list[int] | None):
         """Generate, and turn the engine's outputs into this endpoint's responses or chunks."""
         rid = new_id("cmpl" if endpoint == COMPLETIONS else "chatcmpl")
         outputs = self._generate(endpoint, rid, prompt_ids, params, session_id or request.user, fields, prompt_text,
+                                 block_hashes,
                                  bool(request.stream))
         make_items = self._completion_items if endpoint == COMPLETIONS else self._chat_items
         async with aclosing(outputs):  # closing it early cancels the engine's stream
@@ -253,16 +295,20 @@ class OpenAIServing:
                 yield item
 
     async def _generate(self, endpoint: str, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                        session_id: str | None, fields: dict[str, str], prompt_text: str | None, stream: bool
+                        session_id: str | None, fields: dict[str, str], prompt_text: str | None,
+                        block_hashes: list[int] | None, stream: bool
                         ) -> AsyncIterator[RequestOutput]:
         """Stream from an LLMServer replica (stream False: the first and final outputs only); its
         errors become OpenAIErrors (before the first output).
         Closing this early (or cancelling its task) cancels the replica's stream: the engine aborts."""
-        await self._admit(prompt_ids, params, fields)
+        # ids from our tokenizer (prompt_text set) are in the vocabulary: the engine refuses a
+        # tokenizer larger than its model at start; ids a caller sent are checked
+        await self._admit(prompt_ids, params, fields, check_ids=prompt_text is None)
+        if block_hashes is None:
+            block_hashes = hash_request_tokens(prompt_ids, self.config.engine.block_size)
         generate_request = GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, sampling_params=params,
-            session_id=session_id, block_hashes=hash_request_tokens(prompt_ids, self.config.engine.block_size),
-            stream=stream)
+            session_id=session_id, block_hashes=block_hashes, stream=stream)
         m = self.metrics
         t0 = time.perf_counter()
         t_first = None
@@ -315,12 +361,14 @@ class OpenAIServing:
             self.metrics.count_request(endpoint, status)
 
     # -- helpers --------------------------------------------------------------------------------
-    async def _admit(self, prompt_ids: list[int], params: SamplingParams, fields: dict[str, str]) -> None:
+    async def _admit(self, prompt_ids: list[int], params: SamplingParams, fields: dict[str, str],
+                     check_ids: bool = True) -> None:
         """Refuse here, before any replica, what a replica would refuse: an empty prompt, token ids
         outside the vocabulary, a prompt + max_tokens beyond max_model_len or the whole KV cache."""
         try:
             info = await self._model_info()  # a busy replica may refuse even this call (503)
-            check_prompt_ids(prompt_ids, info.vocab_size)
+            if check_ids or not prompt_ids:  # (an empty text without BOS is refused as empty)
+                check_prompt_ids(prompt_ids, info.vocab_size)
             check_request_fits(len(prompt_ids), params.max_tokens, info.max_model_len, info.num_kv_blocks,
                                info.block_size)
         except Exception as e:
