@@ -70,7 +70,7 @@ def machine_busy_s() -> float | None:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
-async def load_tests(url: str, num_requests: int, max_tokens: int) -> dict:
+async def load_tests(url: str, num_requests: int, max_tokens: int, tests=("shared", "distinct")) -> dict:
     limits = httpx.Limits(max_connections=num_requests + 1, max_keepalive_connections=num_requests + 1)
 
     def client() -> httpx.AsyncClient:
@@ -81,7 +81,7 @@ async def load_tests(url: str, num_requests: int, max_tokens: int) -> dict:
     out = {}
     async with client() as c:
         await run_load_test(c, SERVED_NAME, 1, True, 2)  # warm-up: one short request
-    for distinct in (False, True):
+    for distinct in [t == "distinct" for t in tests]:
         async with client() as c:
             busy0, client0, start = machine_busy_s(), sum(os.times()[:2]), time.perf_counter()
             results = await run_load_test(c, SERVED_NAME, num_requests, distinct, max_tokens)
@@ -137,8 +137,16 @@ def main() -> None:
                     help="each server with its own KV size and chunk budget (--kv-cache-gib is not used)")
     ap.add_argument("--model", choices=("peer", "smollm2"), default="peer",
                     help="peer: bench/peer_model.py (--model-dir); smollm2: the default model (see above)")
+    ap.add_argument("--tests", default="shared,distinct", help="which load tests: shared, distinct or both")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="start every server this many times, in turn (servers alternate), each running the "
+                         "tests; cells give the median (and the range): the same server's wall time varies "
+                         "by up to 25%% from one start to the next on a 2-core VM")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
+    tests = [t for t in args.tests.split(",") if t]
+    if not tests or set(tests) - {"shared", "distinct"}:
+        ap.error("--tests is shared, distinct or shared,distinct")
     servers = args.servers.split(",")
     unknown = set(servers) - set(SERVERS)
     if unknown:
@@ -157,10 +165,10 @@ def main() -> None:
             env = {}
         else:
             env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
-        results = {}
-        for name in servers:
-            print(f"{name}:", flush=True)
-            workdir = tmp / name
+        runs: dict[str, list[dict]] = {name: [] for name in servers}
+        for round_, name in ((r, n) for r in range(args.rounds) for n in servers):
+            print(f"{name}:" if args.rounds == 1 else f"{name} (round {round_ + 1}/{args.rounds}):", flush=True)
+            workdir = tmp / f"{name}-{round_}"
             workdir.mkdir()
             if name.startswith("vllm"):
                 extra = ["--max-model-len", "8192"] + (["--kv-cache-dtype", "fp8"] if name == "vllm-fp8" else [])
@@ -169,24 +177,43 @@ def main() -> None:
                 kv_memory = None if args.defaults else f"{args.kv_cache_gib}GiB"
                 server = serve_run(workdir, ours(name.removeprefix("ours-"), ours_model, kv_memory))
             with server as url:
-                results[name] = asyncio.run(load_tests(url, args.num_requests, args.max_tokens))
+                runs[name].append(asyncio.run(load_tests(url, args.num_requests, args.max_tokens, tests)))
 
+    results = {name: {t: median_run([r[t] for r in rs]) for t in tests} for name, rs in runs.items()}
     base = results.get("vllm")
     print(f"\n`python bench/cpu_vs_vllm.py {shlex.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d')}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs\n")
-    print("| server | shared: ok, wall s, p50 s, server CPU s | distinct: ok, wall s, p50 s, server CPU s "
-          "| distinct prompt tok/s | wall / vLLM (shared, distinct) |")
-    print("|---|---|---|---|---|")
+    if args.rounds > 1:
+        print(f"Medians over {args.rounds} starts of each server (walls' range in brackets).\n")
+    print("| server | " + " | ".join(f"{t}: ok, wall s, p50 s, server CPU s" for t in tests)
+          + (" | distinct prompt tok/s" if "distinct" in tests else "") + f" | wall / vLLM ({', '.join(tests)}) |")
+    print("|---" * (len(tests) + 2 + ("distinct" in tests)) + "|")
     for name, r in results.items():
-        cells = [f"{r[k]['successes']}/{r[k]['requests']}, {r[k]['wall_s']:.2f}, {r[k]['latency_p50_s']:.2f}, "
-                 + ("n/a" if r[k]["server_cpu_s"] is None else f"{r[k]['server_cpu_s']:.1f}")
-                 for k in ("shared", "distinct")]
-        ratio = (f"{r['shared']['wall_s'] / base['shared']['wall_s']:.2f}x, "
-                 f"{r['distinct']['wall_s'] / base['distinct']['wall_s']:.2f}x") if base else "n/a"
-        r["distinct"]["prompt_tok_s"] = r["distinct"]["prompt_tokens"] / r["distinct"]["wall_s"]
-        print(f"| {name} | {cells[0]} | {cells[1]} | {r['distinct']['prompt_tok_s']:,.0f} | {ratio} |")
+        cells = [f"{r[k]['successes']}/{r[k]['requests']}, {r[k]['wall_s']:.2f}"
+                 + (f" [{min(r[k]['walls']):.2f}-{max(r[k]['walls']):.2f}]" if args.rounds > 1 else "")
+                 + f", {r[k]['latency_p50_s']:.2f}, "
+                 + ("n/a" if r[k]["server_cpu_s"] is None else f"{r[k]['server_cpu_s']:.1f}") for k in tests]
+        ratio = ", ".join(f"{r[k]['wall_s'] / base[k]['wall_s']:.2f}x" for k in tests) if base else "n/a"
+        if "distinct" in tests:
+            r["distinct"]["prompt_tok_s"] = r["distinct"]["prompt_tokens"] / r["distinct"]["wall_s"]
+            cells.append(f"{r['distinct']['prompt_tok_s']:,.0f}")
+        print(f"| {name} | {' | '.join(cells)} | {ratio} |")
     if args.json:
-        args.json.write_text(json.dumps({"command": sys.argv, "results": results}, indent=1))
+        args.json.write_text(json.dumps({"command": sys.argv, "results": results, "runs": runs}, indent=1))
+
+
+def median_run(runs: list[dict]) -> dict:
+    """One test's runs on one server (one per start) as one: the run of median wall time, with every
+    run's wall time ("walls"), and the median of the requests answered and of server CPU."""
+    import statistics
+
+    ordered = sorted(runs, key=lambda r: r["wall_s"])
+    out = dict(ordered[(len(ordered) - 1) // 2])
+    out["walls"] = [r["wall_s"] for r in runs]
+    cpus = [r["server_cpu_s"] for r in runs if r["server_cpu_s"] is not None]
+    out["server_cpu_s"] = statistics.median(cpus) if cpus else None
+    out["successes"] = min(r["successes"] for r in runs)  # the worst start's count: no failure hides
+    return out
 
 
 if __name__ == "__main__":
