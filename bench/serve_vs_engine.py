@@ -236,12 +236,11 @@ async def warm_up(path: str, args: argparse.Namespace, vocab_size: int, send, se
 
 
 async def run_workloads(path: str, args: argparse.Namespace, vocab_size: int, send, send_batch=None,
-                        kinds=("throughput", "sessions"), ttft_split=None) -> list[dict]:
+                        kinds=("throughput", "sessions"), ttft_counters=None) -> list[dict]:
     """The workloads of `kinds` on one path. send(prompt, max_tokens, stream) -> Stream;
     send_batch(prompts, max_tokens) -> list[Stream] replaces concurrent sends for the throughput
-    shapes (the engine's offline LLM.generate). ttft_split(before: dict | None, num_requests) ->
-    counters: called before the sessions (None, 0) and after them (the counters before, how many
-    requests ran), which then returns the sessions' mean TTFTs by stage (TTFT_STAGES)."""
+    shapes (the engine's offline LLM.generate). ttft_counters() -> the TTFT counters (async; read
+    before and after the sessions, whose mean TTFTs by stage their difference gives: ttft_means)."""
     rows = []
     if args.warmup:
         await warm_up(path, args, vocab_size, send, send_batch, kinds)
@@ -260,21 +259,18 @@ async def run_workloads(path: str, args: argparse.Namespace, vocab_size: int, se
             rows.append(row(path, name, streams, max_tokens, time.perf_counter() - start, len(prompts)))
         else:
             sessions = session_prompts(args, vocab_size, seed)
-            before = await ttft_split(None, 0) if ttft_split else None
+            before = await ttft_counters() if ttft_counters else None
             start = time.perf_counter()
             streams = await run_sessions(sessions, args.session_reply, lambda p, m: send(p, m, True))
             r = row(path, name, streams, args.session_reply, time.perf_counter() - start, args.sessions * args.turns)
-            if ttft_split:
-                r.update(await ttft_split(before, r["requests"]))
+            if ttft_counters:
+                r.update(ttft_means(before, await ttft_counters()))
             rows.append(r)
         print(f"[{path}] {name}: {rows[-1]['wall_s']:.2f} s", flush=True)
     return rows
 
 
 # -- where the time to first token goes ----------------------------------------------------------
-
-TTFT_STAGES = ("ingress_ttft_mean_s", "engine_ttft_mean_s")
-
 
 def ttft_counters(metrics_text: str) -> dict:
     """The TTFT counters of one /metrics scrape: the ingress histogram's sum and count (every
@@ -302,11 +298,11 @@ def ttft_means(before: dict, after: dict) -> dict:
     return {"ingress_ttft_mean_s": mean("ingress"), "engine_ttft_mean_s": mean("engine")}
 
 
-def metrics_ttft_split(url: str):
-    """ttft_split for a serving path: /metrics read before and after. The ingress counts at once, the
-    engines' counters reach /metrics through the index once a second: each reading waits (up to 10 s)
-    until the engines have counted as many first tokens as the ingress (every request is n=1)."""
-    async def split(before: dict | None, num_requests: int) -> dict:
+def metrics_ttft_counters(url: str):
+    """ttft_counters for a serving path, from /metrics. The ingress counts at once, the engines'
+    counters reach /metrics through the index once a second: a reading waits (up to 10 s) until the
+    engines have counted as many first tokens as the ingress (every request is n=1)."""
+    async def read() -> dict:
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             deadline = time.monotonic() + 10
             while True:
@@ -316,22 +312,19 @@ def metrics_ttft_split(url: str):
                 if counters["engine_count"] >= counters["ingress_count"] or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.25)
-        return counters if before is None else ttft_means(before, counters)
+        return counters
 
-    return split
+    return read
 
 
-def engine_ttft_split(engine):
-    """ttft_split for the engine alone: its own stats (no ingress)."""
-    def read() -> dict:
+def engine_ttft_counters(engine):
+    """ttft_counters for the engine alone: its own stats (no ingress)."""
+    async def read() -> dict:
         stats = engine.stats()
         return {"ingress_sum": 0.0, "ingress_count": 0.0, "engine_sum": stats["time_to_first_token_s_total"],
                 "engine_count": stats["num_first_tokens_total"]}
 
-    async def split(before: dict | None, num_requests: int) -> dict:
-        return read() if before is None else ttft_means(before, read())
-
-    return split
+    return read
 
 
 # -- the paths ---------------------------------------------------------------------------------------
@@ -366,12 +359,12 @@ def serving_paths(args: argparse.Namespace, vocab_size: int) -> tuple[float, lis
                         if "http" in args.paths:
                             rows.extend(await run_workloads(
                                 "http", args, vocab_size, lambda p, m, st: http_request(client, p, m, st),
-                                ttft_split=metrics_ttft_split(url)))
+                                ttft_counters=metrics_ttft_counters(url)))
                     if "handle" in args.paths:
                         handle = serve.get_app_handle(APP)
                         rows.extend(await run_workloads(
                             "handle", args, vocab_size, lambda p, m, st: handle_request(handle, p, m, st),
-                            ttft_split=metrics_ttft_split(url)))
+                            ttft_counters=metrics_ttft_counters(url)))
 
                 asyncio.run(drive())
     finally:
@@ -405,7 +398,7 @@ def engine_path(args: argparse.Namespace, vocab_size: int) -> list[dict]:
         engine = AsyncLLMEngine(engine=llm.engine)
         try:
             return await run_workloads("engine", args, vocab_size, lambda p, m, st: engine_request(engine, p, m),
-                                       kinds=("sessions",), ttft_split=engine_ttft_split(llm.engine))
+                                       kinds=("sessions",), ttft_counters=engine_ttft_counters(llm.engine))
         finally:
             engine.shutdown()
 

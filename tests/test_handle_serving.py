@@ -152,7 +152,7 @@ def test_a_prompt_text_sent_again_is_not_tokenized_again(serving, server, monkey
     chat) sends the same ids and hashes without calling the tokenizer."""
     calls = []
     encode = serving.tokenizer.encode
-    monkeypatch.setattr(serving.tokenizer, "encode", lambda *a, **k: calls.append(a[0]) or encode(*a, **k))
+    monkeypatch.setattr(serving._prompts, "encode", lambda *a, **k: calls.append(a[0]) or encode(*a, **k))
     body = {"model": "tiny-llama", "prompt": "Plan the rollout of the fleet. " * 5, "max_tokens": 2}
     collect(serving.completions(body))
     collect(serving.completions(body))
@@ -175,14 +175,14 @@ def test_the_prompt_cache_is_bounded_by_entries_and_tokens():
     def encode(text, add_special_tokens=True):
         return [1] * add_special_tokens + [ord(c) for c in text]
 
-    cache = PromptCache(max_entries=3, max_tokens=10)
+    cache = PromptCache(encode, 2, max_entries=3, max_tokens=10)
     for text in ("a", "bb", "ccc", "dd"):  # four entries: "a" goes
-        cache.get(text, True, encode, 2)
+        cache.get(text, True)
     assert [k[0] for k in cache._entries] == ["bb", "ccc", "dd"]
-    cache.get("bb", True, encode, 2)  # a hit moves it to the back
-    cache.get("eeeeee", True, encode, 2)  # 7 tokens: "ccc" and "dd" go (10 at most)
+    cache.get("bb", True)  # a hit moves it to the back
+    cache.get("eeeeee", True)  # 7 tokens: "ccc" and "dd" go (10 at most)
     assert [k[0] for k in cache._entries] == ["bb", "eeeeee"] and cache._num_tokens == 10
-    ids, hashes = cache.get("x" * 20, False, encode, 2)  # larger than the whole cache: not kept
+    ids, hashes = cache.get("x" * 20, False)  # larger than the whole cache: not kept
     assert ids == [ord("x")] * 20 and len(hashes) == 10 and ("x" * 20, False) not in cache._entries
-    assert cache.get("bb", False, encode, 2)[0] == [98, 98]  # the flag is part of the key
+    assert cache.get("bb", False)[0] == [98, 98]  # the flag is part of the key
     assert (cache.hits, cache.misses) == (1, 7)

@@ -78,13 +78,16 @@ class PromptCache:
     only: both are pure functions of (text, add_special_tokens) for a given tokenizer and block size.
     Bounded by entries and by the tokens held."""
 
-    def __init__(self, max_entries: int = 256, max_tokens: int = 1 << 20) -> None:
+    def __init__(self, encode, block_size: int, max_entries: int = 256, max_tokens: int = 1 << 20) -> None:
+        """encode(text, add_special_tokens=...) -> token ids: the tokenizer's."""
+        self.encode, self.block_size = encode, block_size
         self.max_entries, self.max_tokens = max_entries, max_tokens
         self._entries: OrderedDict[tuple[str, bool], tuple[array, tuple[int, ...]]] = OrderedDict()
         self._num_tokens = 0
         self.hits = self.misses = 0
 
-    def get(self, text: str, add_special_tokens: bool, encode, block_size: int) -> tuple[list[int], list[int]]:
+    def get(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+        """(token ids, block hashes) of text: copies the caller may change."""
         key = (text, add_special_tokens)
         entry = self._entries.get(key)
         if entry is not None:
@@ -92,8 +95,8 @@ class PromptCache:
             self.hits += 1
             return entry[0].tolist(), list(entry[1])
         self.misses += 1
-        ids = encode(text, add_special_tokens=add_special_tokens)
-        hashes = hash_request_tokens(ids, block_size)
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        hashes = hash_request_tokens(ids, self.block_size)
         if len(ids) <= self.max_tokens:
             self._entries[key] = (array("q", ids), tuple(hashes))
             self._num_tokens += len(ids)
@@ -114,11 +117,8 @@ class OpenAIServing:
                                        self.tokenizer.template_takes_tools)
         self.metrics = IngressMetrics()
         self._info: ModelInfo | None = None
-        self._prompts = PromptCache()
-
-    def _encode(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
-        """(token ids, block hashes) of a prompt text, through the cache of recent prompts."""
-        return self._prompts.get(text, add_special_tokens, self.tokenizer.encode, self.config.engine.block_size)
+        # (token ids, block hashes) of prompt texts, the recent ones cached
+        self._prompts = PromptCache(self.tokenizer.encode, config.engine.block_size)
 
     # -- the handle API (the HTTP routes of OpenAIIngress call these) --------------------------------------------
     async def models(self) -> ModelList:
@@ -147,7 +147,7 @@ class OpenAIServing:
         self._check_model(request.model)
         constraint = request_constraint(request)
         text = request.prompt if isinstance(request.prompt, str) else None
-        prompt_ids, hashes = self._encode(text) if text is not None else (list(request.prompt), None)
+        prompt_ids, hashes = self._prompts.get(text) if text is not None else (list(request.prompt), None)
         fields: dict[str, str] = {}
         params = sampling_params(request, request.max_tokens, request.logprobs, fields,
                                  prompt_logprobs=request.logprobs if request.echo else None,
@@ -198,7 +198,7 @@ class OpenAIServing:
         except ChatTemplateError as e:
             raise BadRequestError(str(e), param="messages") from None
         bos = self.tokenizer.bos_token
-        prompt_ids, hashes = self._encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+        prompt_ids, hashes = self._prompts.get(text, add_special_tokens=not (bos and text.startswith(bos)))
         fields = {"prompt": "messages", "logprobs": "top_logprobs"}
         if request.max_completion_tokens is not None:
             max_tokens = request.max_completion_tokens

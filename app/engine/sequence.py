@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from app.engine.sampling_params import SamplingParams
-from app.kv_events.block_hash import BlockHash, hash_block_tokens, hash_request_tokens
+from app.kv_events.block_hash import BlockHash, hash_request_tokens
 
 
 # A token that a step in flight is sampling: its id is not known on the host yet (async scheduling).
@@ -113,13 +113,10 @@ class Sequence:
         """Extend block_hashes over every full block of the current tokens; returns them all."""
         num_full = self.num_known_tokens // block_size
         i = len(self.block_hashes)
-        if num_full - i > 1:  # a prompt's blocks at once (packed once: about half the time per block)
+        if num_full > i:  # all the new blocks in one pass (a prompt's: packed once, about half the time per block)
             parent = self.block_hashes[-1] if self.block_hashes else None
             self.block_hashes += hash_request_tokens(self.token_slice(i * block_size, num_full * block_size),
                                                      block_size, parent_hash=parent)
-        elif num_full > i:
-            parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(hash_block_tokens(parent, self.token_slice(i * block_size, num_full * block_size)))
         return self.block_hashes
 
     @property
