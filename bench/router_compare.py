@@ -60,16 +60,28 @@ def deploy(replicas: int, kv_router: bool, engine_overrides: dict, model_id: str
     from ray import serve
 
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}), _blocking=False)
-    deadline = time.time() + 600
+    t0 = time.time()
+    deadline, shown = t0 + 600, t0
     while time.time() < deadline:
         status = serve.status().applications.get(APP)
         if status is not None and status.status == "RUNNING":
             return
         if status is not None and status.status == "DEPLOY_FAILED":  # Serve gave up: say why, at once
-            why = "\n".join(f"{name}: {d.status}: {d.message}" for name, d in status.deployments.items() if d.message)
-            raise RuntimeError(f"application {APP} failed to deploy: {status.message}\n{why}")
+            raise RuntimeError(f"application {APP} failed to deploy: {status.message}\n{deployment_states(status)}")
+        if time.time() - shown >= 30:  # a slow start (compiles, weights) or a stuck one: say where it is
+            shown = time.time()
+            print(f"[deploy] {shown - t0:.0f} s: {status.status if status else 'not yet known'}\n"
+                  f"{deployment_states(status)}", file=sys.stderr, flush=True)
         time.sleep(1)
-    raise TimeoutError(f"application {APP} not running after 600 s: {serve.status()}")
+    raise TimeoutError(f"application {APP} not running after 600 s:\n{deployment_states(serve.status().applications.get(APP))}")
+
+
+def deployment_states(app_status) -> str:
+    """One line per deployment of an application's status: its state, replicas by state, message."""
+    if app_status is None:
+        return "  (no status)"
+    return "\n".join(f"  {name}: {d.status} {dict(d.replica_states)} {d.message[-500:]}".rstrip()
+                     for name, d in app_status.deployments.items())
 
 
 def replica_requests() -> dict[str, int]:

@@ -219,7 +219,7 @@ def row(path: str, workload: str, streams: list[Stream], expected: int, wall_s: 
 
 
 async def warm_up(path: str, args: argparse.Namespace, vocab_size: int, send, send_batch=None,
-                  kinds=("throughput", "sessions")) -> None:
+                  kinds=("throughput", "sessions"), counters=None) -> None:
     """Every workload once, untimed, with prompts of their own (their own seed): each throughput
     shape at its full size with at most 8 output tokens (its prefill steps, batch sizes and mixed
     steps: Triton specializes kernels on sizes, and a 16-request warm-up left the first path on a
@@ -227,28 +227,35 @@ async def warm_up(path: str, args: argparse.Namespace, vocab_size: int, send, se
     turns. So the kernels a path's process compiles or loads on first use are ready before the timed
     runs, whichever path ran first on the machine."""
     start = time.perf_counter()
+    before = await counters() if counters else None
     small = argparse.Namespace(**{
         **vars(args), "warmup": False, "seed": f"{args.seed}-warmup",
         "shapes": [(n, length, min(out, 8)) for n, length, out in args.shapes],
         "sessions": min(args.sessions, 2), "turns": min(args.turns, 2), "session_reply": min(args.session_reply, 8)})
     await run_workloads(path, small, vocab_size, send, send_batch, kinds)
-    print(f"[{path}] warmed up in {time.perf_counter() - start:.1f} s", flush=True)
+    compiled = ""
+    if counters:
+        d = compile_deltas(before, await counters())
+        compiled = f" ({d['kernel_compiles']} kernel compiles, {d['kernel_compile_s']:.1f} s)"
+    print(f"[{path}] warmed up in {time.perf_counter() - start:.1f} s{compiled}", flush=True)
 
 
 async def run_workloads(path: str, args: argparse.Namespace, vocab_size: int, send, send_batch=None,
-                        kinds=("throughput", "sessions"), ttft_counters=None) -> list[dict]:
+                        kinds=("throughput", "sessions"), counters=None) -> list[dict]:
     """The workloads of `kinds` on one path. send(prompt, max_tokens, stream) -> Stream;
     send_batch(prompts, max_tokens) -> list[Stream] replaces concurrent sends for the throughput
-    shapes (the engine's offline LLM.generate). ttft_counters() -> the TTFT counters (async; read
-    before and after the sessions, whose mean TTFTs by stage their difference gives: ttft_means)."""
+    shapes (the engine's offline LLM.generate). counters() -> the engines' counters (async, see
+    scrape_counters), read before and after each workload: the Triton compiles inside it
+    (compile_deltas), and for sessions the mean TTFTs by stage (ttft_means)."""
     rows = []
     if args.warmup:
-        await warm_up(path, args, vocab_size, send, send_batch, kinds)
+        await warm_up(path, args, vocab_size, send, send_batch, kinds, counters)
     for name, kind, shape in workloads(args):
         if kind not in kinds:
             continue
         seed = f"{args.seed}-{path}-{name}"
         print(f"[{path}] {name} ...", flush=True)
+        before = await counters() if counters else None
         if kind == "throughput":
             prompts, max_tokens = throughput_prompts(shape, vocab_size, seed), shape[2]
             start = time.perf_counter()
@@ -259,29 +266,36 @@ async def run_workloads(path: str, args: argparse.Namespace, vocab_size: int, se
             rows.append(row(path, name, streams, max_tokens, time.perf_counter() - start, len(prompts)))
         else:
             sessions = session_prompts(args, vocab_size, seed)
-            before = await ttft_counters() if ttft_counters else None
             start = time.perf_counter()
             streams = await run_sessions(sessions, args.session_reply, lambda p, m: send(p, m, True))
-            r = row(path, name, streams, args.session_reply, time.perf_counter() - start, args.sessions * args.turns)
-            if ttft_counters:
-                r.update(ttft_means(before, await ttft_counters()))
-            rows.append(r)
-        print(f"[{path}] {name}: {rows[-1]['wall_s']:.2f} s", flush=True)
+            rows.append(row(path, name, streams, args.session_reply, time.perf_counter() - start,
+                            args.sessions * args.turns))
+        if counters:
+            after = await counters()
+            rows[-1].update(compile_deltas(before, after))
+            if kind == "sessions":
+                rows[-1].update(ttft_means(before, after))
+        compiled = f", {rows[-1]['kernel_compiles']} kernel compiles" if counters else ""
+        print(f"[{path}] {name}: {rows[-1]['wall_s']:.2f} s{compiled}", flush=True)
     return rows
 
 
 # -- where the time to first token goes ----------------------------------------------------------
 
-def ttft_counters(metrics_text: str) -> dict:
-    """The TTFT counters of one /metrics scrape: the ingress histogram's sum and count (every
-    endpoint) and the engines' first tokens and their summed times (every replica)."""
+def scrape_counters(metrics_text: str) -> dict:
+    """The counters of one /metrics scrape: the ingress TTFT histogram's sum and count (every
+    endpoint), the engines' first tokens and their summed times, and the engines' Triton compiles
+    and their seconds (every replica)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    totals = dict.fromkeys(("ingress_sum", "ingress_count", "engine_sum", "engine_count"), 0.0)
+    totals = dict.fromkeys(("ingress_sum", "ingress_count", "engine_sum", "engine_count", "compiles", "compile_s"),
+                           0.0)
     names = {"llm_time_to_first_token_seconds_sum": "ingress_sum",
              "llm_time_to_first_token_seconds_count": "ingress_count",
              "llm_engine_time_to_first_token_seconds_total": "engine_sum",
-             "llm_engine_first_tokens_total": "engine_count"}
+             "llm_engine_first_tokens_total": "engine_count",
+             "llm_engine_kernel_compiles_total": "compiles",
+             "llm_engine_kernel_compile_seconds_total": "compile_s"}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             if sample.name in names:
@@ -298,8 +312,15 @@ def ttft_means(before: dict, after: dict) -> dict:
     return {"ingress_ttft_mean_s": mean("ingress"), "engine_ttft_mean_s": mean("engine")}
 
 
-def metrics_ttft_counters(url: str):
-    """ttft_counters for a serving path, from /metrics. The ingress counts at once, the engines'
+def compile_deltas(before: dict, after: dict) -> dict:
+    """Triton compiles in the engines between two counter readings, and their seconds: a compile
+    inside a timed run stalls its steps for that long."""
+    return {"kernel_compiles": int(after["compiles"] - before["compiles"]),
+            "kernel_compile_s": after["compile_s"] - before["compile_s"]}
+
+
+def metrics_counters(url: str):
+    """scrape_counters for a serving path, from /metrics. The ingress counts at once, the engines'
     counters reach /metrics through the index once a second: a reading waits (up to 10 s) until the
     engines have counted as many first tokens as the ingress (every request is n=1)."""
     async def read() -> dict:
@@ -308,7 +329,7 @@ def metrics_ttft_counters(url: str):
             while True:
                 r = await client.get("/metrics")
                 r.raise_for_status()
-                counters = ttft_counters(r.text)
+                counters = scrape_counters(r.text)
                 if counters["engine_count"] >= counters["ingress_count"] or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.25)
@@ -317,12 +338,13 @@ def metrics_ttft_counters(url: str):
     return read
 
 
-def engine_ttft_counters(engine):
-    """ttft_counters for the engine alone: its own stats (no ingress)."""
+def engine_counters(engine):
+    """scrape_counters' counters for the engine alone: its own stats (no ingress; compiles on CUDA only)."""
     async def read() -> dict:
         stats = engine.stats()
         return {"ingress_sum": 0.0, "ingress_count": 0.0, "engine_sum": stats["time_to_first_token_s_total"],
-                "engine_count": stats["num_first_tokens_total"]}
+                "engine_count": stats["num_first_tokens_total"], "compiles": stats.get("kernel_compiles_total", 0),
+                "compile_s": stats.get("kernel_compile_s_total", 0.0)}
 
     return read
 
@@ -359,12 +381,12 @@ def serving_paths(args: argparse.Namespace, vocab_size: int) -> tuple[float, lis
                         if "http" in args.paths:
                             rows.extend(await run_workloads(
                                 "http", args, vocab_size, lambda p, m, st: http_request(client, p, m, st),
-                                ttft_counters=metrics_ttft_counters(url)))
+                                counters=metrics_counters(url)))
                     if "handle" in args.paths:
                         handle = serve.get_app_handle(APP)
                         rows.extend(await run_workloads(
                             "handle", args, vocab_size, lambda p, m, st: handle_request(handle, p, m, st),
-                            ttft_counters=metrics_ttft_counters(url)))
+                            counters=metrics_counters(url)))
 
                 asyncio.run(drive())
     finally:
@@ -392,13 +414,14 @@ def engine_path(args: argparse.Namespace, vocab_size: int) -> list[dict]:
 
     # The throughput shapes through the offline API first, then the sessions through an async engine
     # over the same engine: once the async engine's thread steps it, offline generate must not.
-    rows = asyncio.run(run_workloads("engine", args, vocab_size, None, send_batch=batch, kinds=("throughput",)))
+    rows = asyncio.run(run_workloads("engine", args, vocab_size, None, send_batch=batch, kinds=("throughput",),
+                                     counters=engine_counters(llm.engine)))
 
     async def sessions() -> list[dict]:
         engine = AsyncLLMEngine(engine=llm.engine)
         try:
             return await run_workloads("engine", args, vocab_size, lambda p, m, st: engine_request(engine, p, m),
-                                       kinds=("sessions",), ttft_counters=engine_ttft_counters(llm.engine))
+                                       kinds=("sessions",), counters=engine_counters(llm.engine))
         finally:
             engine.shutdown()
 
@@ -429,15 +452,17 @@ def _ms(value: float | None) -> str:
 
 def to_markdown(rows: list[dict]) -> str:
     lines = ["| workload | path | answered | output tokens | wall s | output tok/s | vs engine | TTFT p50 / p99 ms "
-             "| TTFT mean: client / ingress / engine ms | ITL p50 / p99 ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| TTFT mean: client / ingress / engine ms | ITL p50 / p99 ms | kernel compiles (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "n/a" if r["vs_engine"] is None else f"{r['vs_engine']:.3f}x"
+        compiles = "n/a" if r.get("kernel_compiles") is None else f"{r['kernel_compiles']} ({r['kernel_compile_s']:.1f})"
         means = ("" if r.get("engine_ttft_mean_s") is None and r.get("ingress_ttft_mean_s") is None else
                  f"{_ms(r['ttft_mean_s'])} / {_ms(r['ingress_ttft_mean_s'])} / {_ms(r['engine_ttft_mean_s'])}")
         lines.append(f"| {r['workload']} | {r['path']} | {r['answered']}/{r['requests']} | {r['output_tokens']:,} "
                      f"| {r['wall_s']:.2f} | {r['output_tok_per_s']:,.1f} | {ratio} "
                      f"| {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} | {means} "
-                     f"| {_ms(r['itl_p50_s'])} / {_ms(r['itl_p99_s'])} |")
+                     f"| {_ms(r['itl_p50_s'])} / {_ms(r['itl_p99_s'])} | {compiles} |")
     return "\n".join(lines)
 
 

@@ -212,6 +212,24 @@ def test_nonfinite_kv_fails_one_request_on_gpu(stories_paths, tmp_path):
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_kv_blocks
 
 
+def test_kv_cache_beyond_the_gpu_share_fails_start_with_the_settings_named(stories_paths, tmp_path):
+    """A KV cache larger than the engine's share of the GPU (gpu_fraction caps its allocator) fails
+    the engine's start with KVCacheAllocationError naming the settings that size the cache, not a
+    hang or a bare CUDA out-of-memory; the memory it took is given back."""
+    from app.engine.model_runner import KVCacheAllocationError
+
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(KVCacheAllocationError, match="kv_cache_memory") as info:
+        _widened(stories_paths, tmp_path, "small", kv_cache_dtype="fp4", gpu_fraction=0.02, kv_cache_memory="4GiB",
+                 max_num_seqs=256, max_model_len=512)
+    assert "OutOfMemoryError" in str(info.value) and "max_num_seqs" in str(info.value)
+    del info
+    import gc
+    gc.collect()
+    assert torch.cuda.memory_allocated() - before < 2**28  # not the weights or a partial cache left behind
+    torch.cuda.set_per_process_memory_fraction(1.0)
+
+
 def _async_and_sync(stories_paths, tmp_path, prompts, params, **kw):
     """Outputs of the same requests without and with async scheduling (decode graphs in both)."""
     results = {}

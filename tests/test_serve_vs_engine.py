@@ -30,6 +30,7 @@ def test_serve_vs_engine_runs_and_its_counts_add_up(tmp_path):
         assert r["answered"] == r["requests"] and r["output_tokens"] == expected, r
         assert r["wall_s"] > 0 and r["output_tok_per_s"] > 0 and r["vs_engine"] > 0
         assert (r["vs_engine"] == 1.0) == (path == "engine")
+        assert r["kernel_compiles"] == 0 and r["kernel_compile_s"] == 0, r  # CPU engines compile no Triton kernel
         if workload != "6x48+8":  # streamed: a first token and gaps between the others, per request
             assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and 0 < r["itl_p50_s"] <= r["itl_p99_s"], r
             # the mean TTFT by stage: each stage starts later and ends no later than the one outside it

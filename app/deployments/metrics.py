@@ -40,6 +40,12 @@ _ENGINE_SERIES = (
      "arrival in the engine to its first token (its mean: the two counters' ratio; the ingress's "
      "llm_time_to_first_token_seconds less this is the serving path's part).", "time_to_first_token_s_total",
      "counter"),
+    ("llm_engine_kernel_compiles", "Triton kernel compiles (or loads from Triton's disk cache) in the replica's "
+     "process since start (CUDA engines; 0 elsewhere).", "kernel_compiles_total", "counter"),
+    ("llm_engine_kernel_compile_seconds", "Seconds those compiles took.", "kernel_compile_s_total", "counter"),
+    ("llm_engine_kernel_compiles_serving", "Of llm_engine_kernel_compiles, those after the engine was ready: each "
+     "stalled a step (the replica logs each, with the kernel's specialization).", "kernel_compiles_serving_total",
+     "counter"),
 )
 
 

@@ -26,6 +26,7 @@ from app.engine.scheduler import Scheduler, SchedulerOutput, check_prompt_ids
 from app.engine.sequence import Sequence, SequenceStatus
 from app.engine.setting_checks import check_settings
 from app.engine.structured_outputs import check_structured_outputs
+from app.kernels import compile_log
 from app.kv_events.schema import KVEvent
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class LLMEngine:
         self.kv_bytes_per_token = kv_bytes_per_token(config.kv_cache_dtype, self.kv_spec, fp4_formats)
         # Sample only ids the tokenizer knows (a model's vocab may be padded beyond it).
         self.vocab_size = self.tokenizer.vocab_size
+        # Triton compiles from here on are counted (CUDA: the graph capture compiles the decode builds;
+        # one after start-up stalls a step and is logged as a warning).
+        self.compile_log = compile_log.install() if self.device.type == "cuda" else None
         # Loads the model (its shards on tensor-parallel workers) and allocates the KV cache.
         t_executor = time.perf_counter()
         self.executor = create_executor(config, self.vocab_size, self.max_model_len)
@@ -153,6 +157,8 @@ class LLMEngine:
             config.model, config.tensor_parallel_size, config.kv_cache_dtype, self.num_kv_blocks, config.block_size,
             self.num_kv_blocks * config.block_size * self.kv_bytes_per_token / 2**20, self.kv_bytes_per_token,
         )
+        if self.compile_log is not None:
+            self.compile_log.mark_serving()
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str | Seq[int]) -> list[int]:
@@ -565,6 +571,8 @@ class LLMEngine:
             # sums over requests since start (arrival in the engine to first token), for means
             "num_first_tokens_total": self.num_first_tokens_total,
             "time_to_first_token_s_total": self.time_to_first_token_s_total,
+            # Triton compiles in this process (CUDA), all and those after start-up (each stalled a step)
+            **(self.compile_log.stats() if self.compile_log is not None else {}),
         }
 
 
