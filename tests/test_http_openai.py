@@ -256,6 +256,9 @@ def test_health_and_metrics(base_url, client):
                                      replica_id=replica_id) >= 1, timeout_s=30)
     text = httpx.get(f"{base_url}/metrics").text
     assert 0 < metric(text, "llm_engine_time_to_first_token_seconds_total", replica_id=replica_id) < 60
+    # a CPU engine compiles no Triton kernel: the series are there, at 0
+    assert metric(text, "llm_engine_kernel_compiles_total", replica_id=replica_id) == 0
+    assert metric(text, "llm_engine_kernel_compiles_serving_total", replica_id=replica_id) == 0
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(base_url):
