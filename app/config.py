@@ -114,12 +114,14 @@ class EngineConfig(BaseModel):
         "auto", description="Compute dtype. 'auto': bfloat16 on GPUs and on CPUs with native bf16 "
         "(AVX512-BF16 / AMX-BF16 / Arm BF16), float32 on other CPUs."
     )
-    kv_cache_dtype: Literal["fp4", "fp8", "bf16", "fp16", "fp32", "auto"] = Field(
+    kv_cache_dtype: Literal["fp4", "fp8", "fp8-fp4", "bf16", "fp16", "fp32", "auto"] = Field(
         "bf16",
         description="KV cache format: 'fp4' (4-bit E2M1 with block scales and outliers, see fp4), 'fp8' "
-        "(E4M3 with a scale per token and head), 'bf16', 'fp16', 'fp32', or 'auto' (the compute dtype).",
+        "(E4M3 with a scale per token and head), 'fp8-fp4' (keys as fp8, values as fp4 in fp4's value "
+        "format: keys carry most of fp4's loss), 'bf16', 'fp16', 'fp32', or 'auto' (the compute dtype).",
     )
-    fp4: FP4Config = Field(default_factory=FP4Config, description="Options of kv_cache_dtype='fp4'.")
+    fp4: FP4Config = Field(default_factory=FP4Config, description="Options of kv_cache_dtype='fp4' (with "
+                           "'fp8-fp4', its value options).")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (page).")
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Token budget of one engine step; longer prompts are prefilled in chunks."

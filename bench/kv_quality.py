@@ -116,6 +116,8 @@ VARIANTS = [
     ("fp4 +3 out K g32, V g32, search", "fp4", fp4_variant(key_outliers=3, key_group_size=32, value_group_size=32,
                                                            scale_targets=SEARCH)),
     ("fp4 DEFAULT: +4 out K g32, V g32, search", "fp4", {}),  # FP4Config() as shipped
+    # kv_cache_dtype fp8-fp4: keys as fp8, values in FP4Config()'s value format (its key options unused)
+    ("fp8-fp4: fp8 K, DEFAULT fp4 V", "fp8-fp4", {}),
 ]
 # Section 1 only: how far fp32 KV is from bf16 KV, the noise floor of the stories260K metrics.
 CALIBRATION = ("fp32 KV (calibration)", "fp32", None)
@@ -152,16 +154,21 @@ def fp4_formats(opts: dict) -> tuple[fp4.FP4Format, fp4.FP4Format]:
     return FP4Config(**opts).formats()  # (K format, V format)
 
 
+def sides(kind: str, opts: dict | None) -> list[tuple[str, fp4.FP4Format | None]]:
+    """[(K's format kind, its fp4 format or None), (V's ...)]: fp8-fp4 is fp8 keys and fp4 values."""
+    kinds = ("fp8", "fp4") if kind == "fp8-fp4" else (kind, kind)
+    fmts = fp4_formats(opts) if opts is not None else (None, None)
+    return [(k, f if k == "fp4" else None) for k, f in zip(kinds, fmts)]
+
+
 def bytes_per_token_head(kind: str, opts: dict | None, head_dim: int = HEAD_DIM) -> tuple[int, int]:
     """(K bytes, V bytes) of one token in one KV head, scales and outlier slots included."""
     if kind in ("bf16", "fp32"):
         itemsize = 2 if kind == "bf16" else 4
         return itemsize * head_dim, itemsize * head_dim
-    if kind == "fp8":
-        vec = head_dim + fp8.FP8_BYTES_PER_VECTOR_EXTRA  # e4m3 values + float32 scale
-        return vec, vec
-    k_fmt, v_fmt = fp4_formats(opts)
-    return k_fmt.bytes_per_vector(head_dim), v_fmt.bytes_per_vector(head_dim)
+    # fp8: e4m3 values + a float32 scale
+    return tuple(head_dim + fp8.FP8_BYTES_PER_VECTOR_EXTRA if side == "fp8" else fmt.bytes_per_vector(head_dim)
+                 for side, fmt in sides(kind, opts))
 
 
 def size_cells(kind: str, opts: dict | None) -> list:
@@ -260,10 +267,14 @@ def real_model_llm(kind: str, opts: dict | None, chunk: int) -> LLM:
 
 
 def heldout_scores(llm: LLM, num_tokens: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probabilities, most likely next tokens) [scored tokens] of the held-out windows through the
-    engine's prompt logprobs (every window's first token is not scored)."""
-    outs = llm.generate(heldout_windows(llm.tokenizer, num_tokens, window),
-                        SamplingParams(max_tokens=0, prompt_logprobs=1), log_every_s=30)
+    """prompt_scores of the held-out windows."""
+    return prompt_scores(llm, heldout_windows(llm.tokenizer, num_tokens, window))
+
+
+def prompt_scores(llm: LLM, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities, most likely next tokens) [scored tokens] of the prompts' tokens through the
+    engine's prompt logprobs (every prompt's first token is not scored)."""
+    outs = llm.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=1), log_every_s=30)
     # vLLM's shape: per position {token id: Logprob}, the prompt token's and the best (rank 1)
     lps = torch.tensor([d[t].logprob for o in outs for t, d in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])])
     top1 = torch.tensor([next(t for t, e in d.items() if e.rank == 1) for o in outs for d in o.prompt_logprobs[1:]])
@@ -361,8 +372,8 @@ def section_synthetic(args) -> list[dict]:
         sink_mass[n] = probs[..., 0].mean().item()
         o_bf16 = None
         for name, kind, opts in VARIANTS:
-            k_fmt, v_fmt = fp4_formats(opts) if kind == "fp4" else (None, None)
-            o = causal_attention_ref(q, quant_dequant(k, kind, k_fmt), quant_dequant(v, kind, v_fmt), scale)
+            (k_kind, k_fmt), (v_kind, v_fmt) = sides(kind, opts)
+            o = causal_attention_ref(q, quant_dequant(k, k_kind, k_fmt), quant_dequant(v, v_kind, v_fmt), scale)
             o_bf16 = o if o_bf16 is None else o_bf16  # bf16 runs first
             errs[name][n] = rel_err(o, o_bf16)
         bf16_vs_fp32[n] = rel_err(o_bf16, o_fp32)
@@ -440,7 +451,7 @@ def section_bytes(stories_spec: KVCacheSpec) -> list[dict]:
     results = []
     for name, kind, opts in VARIANTS:
         k_bytes, v_bytes = bytes_per_token_head(kind, opts)
-        fmts = fp4_formats(opts) if kind == "fp4" else None
+        fmts = fp4_formats(opts) if opts is not None else None
         results.append({"variant": name, "k_bytes": k_bytes, "v_bytes": v_bytes, "bytes": k_bytes + v_bytes,
                         "capacity_vs_bf16": BF16_BYTES / (k_bytes + v_bytes),
                         "stories260K_bytes_per_token": kv_bytes_per_token(kind, stories_spec, fmts)})

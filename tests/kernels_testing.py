@@ -25,7 +25,15 @@ FORMATS = {
                            FP4Format(group_size=16, outliers=1))),
     # key groups of 8 without slots: the layout the Gluon kernel's KG8 build reads (81 B per key vector)
     "fp4-kg8": ("fp4", (FP4Format(group_size=8), FP4Format(group_size=32))),
+    # kv_cache_dtype fp8-fp4: fp8 keys, fp4 values in the default value format
+    "fp8-fp4": ("fp8-fp4", (None, DEFAULT_FP4[1])),
 }
+
+
+def side_kinds(kind: str) -> tuple[str, str]:
+    """The page kinds (K, V) of a FORMATS kind: "fp8-fp4" -> ("fp8", "fp4"), "fp4" -> ("fp4", "fp4")."""
+    k, _, v = kind.partition("-")
+    return k, v or k
 
 
 def keys_like_llama(*shape: int, gen: torch.Generator) -> torch.Tensor:
@@ -40,10 +48,11 @@ def keys_like_llama(*shape: int, gen: torch.Generator) -> torch.Tensor:
 def random_pages(name: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, seed: int = 0):
     """(k_pages, v_pages, formats) holding random K/V quantized by the torch reference."""
     kind, formats = FORMATS[name]
+    k_kind, v_kind = side_kinds(kind)
     gen = torch.Generator().manual_seed(seed)
     k = keys_like_llama(num_blocks, block_size, num_kv_heads, head_dim, gen=gen)
     v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    return paged.quantize_pages(k, kind, formats[0]), paged.quantize_pages(v, kind, formats[1]), formats
+    return paged.quantize_pages(k, k_kind, formats[0]), paged.quantize_pages(v, v_kind, formats[1]), formats
 
 
 def block_tables(seq_lens: list[int], block_size: int, seed: int = 0) -> tuple[torch.Tensor, int]:

@@ -21,8 +21,9 @@ SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, com
 NUM_HEADS = 8
 
 
-@pytest.mark.parametrize("kv,formats", [("bf16", None), ("fp8", None), ("fp4", DEFAULT_FP4), ("fp4", ROTATED)],
-                         ids=["bf16", "fp8", "fp4", "fp4-rotated"])
+@pytest.mark.parametrize("kv,formats", [("bf16", None), ("fp8", None), ("fp4", DEFAULT_FP4), ("fp4", ROTATED),
+                                        ("fp8-fp4", (None, DEFAULT_FP4[1]))],
+                         ids=["bf16", "fp8", "fp4", "fp4-rotated", "fp8-fp4"])
 def test_kernel_path_matches_torch_path(kv, formats):
     caches = [create_kv_cache(kv, SPEC, 16, "cpu", formats) for _ in range(2)]
     assert not caches[0].kernels_enabled()  # CPU: the torch path unless forced
@@ -57,7 +58,7 @@ def test_kernel_path_matches_torch_path(kv, formats):
         # fp8 prefill chunks read a scratch that rounds each e4m3 value x its float32 scale to bf16
         # (2^-9 relative, against the format's own 2^-4); fp4's codes x power-of-two scales are bf16
         # numbers, so its scratch is exact
-        assert rel_err(got, want) < (1e-2 if kv == "fp8" and max(new) > 1 else 2e-4)
+        assert rel_err(got, want) < (1e-2 if kv.startswith("fp8") and max(new) > 1 else 2e-4)
         computed = [c + n for c, n in zip(computed, new)]
 
 

@@ -16,7 +16,7 @@ from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import InvalidRequestError
 from app.engine.executor import Executor, LaunchedStep, LocalExecutor
 from app.engine.grammar import StructuredOutputManager, check_tokenizer
-from app.engine.kv_cache import KVCacheSpec, kv_bytes_per_token
+from app.engine.kv_cache import KVCacheSpec, kv_bytes_per_token, kv_fp4_formats
 from app.engine.kv_cache_manager import KVCacheManager
 from app.engine.model_runner import GrammarMask, resolve_dtype
 from app.engine.model_source import load_model_config, resolve_tokenizer
@@ -85,9 +85,8 @@ class LLMEngine:
         mc.check_tensor_parallel(config.tensor_parallel_size)
         self.tokenizer = resolve_tokenizer(config, mc.vocab_size)
         fp4_formats = config.fp4.formats()
-        if config.kv_cache_dtype == "fp4":
-            for fmt in fp4_formats:
-                fmt.check(mc.head_dim)
+        for fmt in kv_fp4_formats(config.kv_cache_dtype, fp4_formats):  # fp4: K and V; fp8-fp4: V
+            fmt.check(mc.head_dim)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         # The whole model's KV (all ranks together); each rank holds num_kv_heads / tp of it.
         self.kv_spec = KVCacheSpec(

@@ -4,6 +4,8 @@ A block holds `block_size` tokens of one layer. Every format keeps all arrays of
 (values, and for quantized formats codes, scales, outliers) under the same block id, so the
 block pool hands out ids without knowing the format. `create_kv_cache` picks the class by its
 `kv_cache_dtype` name; `kv_bytes_per_token` gives the exact bytes each format allocates.
+Quantized formats choose fp8 or fp4 per side (QuantizedKVCache): fp8, fp4, and fp8-fp4 (fp8 keys,
+fp4 values).
 
 `attention` runs the Triton kernels (app/kernels/) on CUDA, the CPU extension
 (app/kernels/cpu_kernels.py) on the CPU where it builds, and the torch reference path otherwise;
@@ -431,92 +433,68 @@ class DenseKVCache(KVCache):
         return self.k_cache[layer][block_ids].to(dt), self.v_cache[layer][block_ids].to(dt)
 
 
-class FP8KVCache(KVCache):
-    """FP8 E4M3 with one float32 scale per token and KV head (vLLM's fp8_per_token_head)."""
+SideFormats = tuple[fp4.FP4Format | None, fp4.FP4Format | None]  # (K, V): None stores that side as fp8
+FP4Formats = tuple[fp4.FP4Format, fp4.FP4Format]  # (K, V)
+DEFAULT_FP4_FORMATS: FP4Formats = FP4Config().formats()
 
-    name = "fp8"
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device) -> None:
+def side_bytes_per_vector(fmt: fp4.FP4Format | None, head_dim: int) -> int:
+    """Bytes of one (token, KV head) vector of one side: fp8 (fmt None) or fp4 in format fmt."""
+    return head_dim + fp8.FP8_BYTES_PER_VECTOR_EXTRA if fmt is None else fmt.bytes_per_vector(head_dim)
+
+
+def _side_pages(spec: KVCacheSpec, num_blocks: int, device: torch.device, fmt: fp4.FP4Format | None):
+    """One layer's pages of one side, zeroed, in app/kernels/paged.py's form: fp8 (fmt None) or fp4."""
+    page = (num_blocks, spec.block_size, spec.num_kv_heads)
+    d = spec.head_dim
+    if fmt is None:
+        return (torch.zeros(*page, d, dtype=torch.float8_e4m3fn, device=device),  # values
+                torch.zeros(page, dtype=torch.float32, device=device))  # scale
+    return fp4.FP4Tensor(
+        codes=torch.zeros(*page, d // 2, dtype=torch.uint8, device=device),
+        scales=torch.zeros(*page, d // fmt.group(d), dtype=torch.float8_e4m3fn, device=device),
+        scale_exp=torch.zeros(page, dtype=torch.uint8, device=device),
+        out_vals=torch.zeros(*page, fmt.outliers, dtype=torch.bfloat16, device=device),
+        out_idx=torch.zeros(*page, fmt.outliers, dtype=torch.uint8, device=device),
+    )
+
+
+class QuantizedKVCache(KVCache):
+    """fp8 or fp4 pages for each of K and V. `formats` (K, V) says per side: None stores it as fp8 E4M3
+    with one float32 scale per (token, KV head) vector (app/kernels/fp8.py), an FP4Format as fp4
+    (app/kernels/fp4.py). pages[2 * layer] holds K and pages[2 * layer + 1] V, each in its side's form
+    (app/kernels/paged.py: the kernels branch on each side's page kind). The subclasses name a
+    combination: `side_formats` picks the sides from config.fp4's (K, V) formats."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device, fp4_formats: FP4Formats = DEFAULT_FP4_FORMATS):
         super().__init__(spec, num_blocks, device)
-        page = (num_blocks, spec.block_size, spec.num_kv_heads)
-        # pages[2 * layer] holds K, pages[2 * layer + 1] holds V: (values, scale)
-        self.pages = [
-            (
-                torch.zeros(*page, spec.head_dim, dtype=torch.float8_e4m3fn, device=self.device),
-                torch.zeros(page, dtype=torch.float32, device=self.device),
-            )
-            for _ in range(2 * spec.num_layers)
-        ]
+        self.formats: SideFormats = self.side_formats(fp4_formats)
+        for fmt in self.formats:
+            if fmt is not None:
+                fmt.check(spec.head_dim)
+        rotated = [fmt is not None and fmt.rotate for fmt in self.formats]
+        if any(rotated) and not all(rotated):
+            raise ValueError("the fp4 rotation turns K and V together (queries and outputs alike): both sides "
+                             f"must be fp4 with rotate set ({self.name!r} has {self.formats})")
+        self.rotation = fp4.hadamard_rotation(spec.head_dim, self.device) if all(rotated) else None
+        self.pages = [_side_pages(spec, num_blocks, self.device, fmt)
+                      for _ in range(spec.num_layers) for fmt in self.formats]
+
+    @staticmethod
+    @abstractmethod
+    def side_formats(fp4_formats: FP4Formats) -> SideFormats:
+        """(K, V) side formats of this combination, from config.fp4's (K, V) fp4 formats."""
 
     @classmethod
-    def bytes_per_token_per_layer(cls, spec: KVCacheSpec) -> int:
-        return 2 * spec.num_kv_heads * (spec.head_dim + fp8.FP8_BYTES_PER_VECTOR_EXTRA)
-
-    def layer_pages(self, layer):
-        return self.pages[2 * layer], self.pages[2 * layer + 1]
-
-    def _store_ref(self, layer, key, value, slot_mapping) -> None:
-        if self.cpu_kernels_enabled():
-            from app.kernels import cpu_kernels
-
-            self._refuse_nonfinite(key, value)  # both checked before any write
-            for i, x in enumerate((key, value)):
-                cpu_kernels.store_fp8(x, slot_mapping, *self.pages[2 * layer + i])
-            return
-        quantized = [fp8.fp8_quantize(key), fp8.fp8_quantize(value)]  # both checked before any write
-        for i, (values, scale) in enumerate(quantized):
-            page_values, page_scale = self.pages[2 * layer + i]
-            page_values.view(-1, *values.shape[1:])[slot_mapping] = values
-            page_scale.view(-1, scale.shape[1])[slot_mapping] = scale
-
-    def read_blocks(self, layer, block_ids):
-        dt = self.spec.compute_dtype
-        k, v = self.read_exact(layer, block_ids)
-        return k.to(dt), v.to(dt)
-
-    def read_exact(self, layer, block_ids):
-        k, v = (fp8.fp8_dequantize(values[block_ids], scale[block_ids])
-                for values, scale in self.pages[2 * layer : 2 * layer + 2])
-        return k, v
-
-
-class FP4KVCache(KVCache):
-    """FP4 E2M1 codes with E4M3 group scales, an E8M0 second-level scale, outlier slots and an
-    optional Hadamard rotation (app/kernels/fp4.py); one set of arrays per layer for K and for V."""
-
-    name = "fp4"
-
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device, formats: tuple[fp4.FP4Format, fp4.FP4Format]):
-        super().__init__(spec, num_blocks, device)
-        self.formats = formats
-        for fmt in formats:
-            fmt.check(spec.head_dim)
-        assert formats[0].rotate == formats[1].rotate, "K and V are rotated together"
-        self.rotation = fp4.hadamard_rotation(spec.head_dim, self.device) if formats[0].rotate else None
-        d, h = spec.head_dim, spec.num_kv_heads
-        page = (num_blocks, spec.block_size, h)
-        # pages[2 * layer] holds K, pages[2 * layer + 1] holds V; every array is indexed by block id
-        self.pages = []
-        for _ in range(spec.num_layers):
-            for fmt in formats:
-                self.pages.append(fp4.FP4Tensor(
-                    codes=torch.zeros(*page, d // 2, dtype=torch.uint8, device=self.device),
-                    scales=torch.zeros(*page, d // fmt.group(d), dtype=torch.float8_e4m3fn, device=self.device),
-                    scale_exp=torch.zeros(page, dtype=torch.uint8, device=self.device),
-                    out_vals=torch.zeros(*page, fmt.outliers, dtype=torch.bfloat16, device=self.device),
-                    out_idx=torch.zeros(*page, fmt.outliers, dtype=torch.uint8, device=self.device),
-                ))
-
-    @classmethod
-    def bytes_per_token_per_layer(cls, spec: KVCacheSpec, formats: tuple[fp4.FP4Format, fp4.FP4Format]) -> int:
-        return spec.num_kv_heads * sum(fmt.bytes_per_vector(spec.head_dim) for fmt in formats)
+    def bytes_per_token_per_layer(cls, spec: KVCacheSpec, fp4_formats: FP4Formats = DEFAULT_FP4_FORMATS) -> int:
+        return spec.num_kv_heads * sum(side_bytes_per_vector(f, spec.head_dim) for f in cls.side_formats(fp4_formats))
 
     @property
     def kernel_formats(self):
         return self.formats
 
     def kernel_problem(self) -> str | None:
-        if any(len(fmt.scale_targets) > 4 for fmt in self.formats):
+        if any(fmt is not None and len(fmt.scale_targets) > 4 for fmt in self.formats):
             return "more than 4 fp4 scale_targets"
         return super().kernel_problem()
 
@@ -529,16 +507,21 @@ class FP4KVCache(KVCache):
         super().store(layer, key, value, slot_mapping, nonfinite)
 
     def _store_ref(self, layer, key, value, slot_mapping) -> None:
-        if self.cpu_kernels_enabled() and all(f.outlier_mode == "topk" for f in self.formats):
+        if self.cpu_kernels_enabled() and all(f is None or f.outlier_mode == "topk" for f in self.formats):
             from app.kernels import cpu_kernels
 
             self._refuse_nonfinite(key, value)  # both checked before any write
             for i, (x, fmt) in enumerate(zip((key, value), self.formats)):
+                pages = self.pages[2 * layer + i]
+                if fmt is None:
+                    cpu_kernels.store_fp8(x, slot_mapping, *pages)
+                    continue
                 if self.rotation is not None:
                     x = x.float() @ self.rotation
-                cpu_kernels.store_fp4(x, slot_mapping, self.pages[2 * layer + i], fmt)
+                cpu_kernels.store_fp4(x, slot_mapping, pages, fmt)
             return
-        quantized = [fp4.fp4_quantize(x, fmt, self.rotation) for x, fmt in zip((key, value), self.formats)]
+        quantized = [fp8.fp8_quantize(x) if fmt is None else fp4.fp4_quantize(x, fmt, self.rotation)
+                     for x, fmt in zip((key, value), self.formats)]
         for i, q in enumerate(quantized):  # both checked (NaN/Inf) before any write
             for page, new in zip(self.pages[2 * layer + i], q):
                 if new.numel():  # outlier arrays are empty without outlier slots
@@ -547,9 +530,10 @@ class FP4KVCache(KVCache):
     def _read(self, layer, block_ids, rotated: bool):  # float32
         rotation = None if rotated else self.rotation
         out = []
-        for i in range(2):
-            q = fp4.FP4Tensor(*(page[block_ids] for page in self.pages[2 * layer + i]))
-            out.append(fp4.fp4_dequantize(q, self.formats[i], rotation))
+        for i, fmt in enumerate(self.formats):
+            blocks = [page[block_ids] for page in self.pages[2 * layer + i]]
+            out.append(fp8.fp8_dequantize(*blocks) if fmt is None
+                       else fp4.fp4_dequantize(fp4.FP4Tensor(*blocks), fmt, rotation))
         return out[0], out[1]
 
     def read_blocks(self, layer, block_ids):
@@ -574,7 +558,42 @@ class FP4KVCache(KVCache):
         return (out.float() @ self.rotation.T).to(query.dtype)
 
 
-KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "fp4")
+class FP8KVCache(QuantizedKVCache):
+    """FP8 E4M3 with one float32 scale per token and KV head (vLLM's fp8_per_token_head)."""
+
+    name = "fp8"
+
+    @staticmethod
+    def side_formats(fp4_formats):
+        return None, None
+
+
+class FP4KVCache(QuantizedKVCache):
+    """FP4 E2M1 codes with E4M3 group scales, an E8M0 second-level scale, outlier slots and an
+    optional Hadamard rotation (app/kernels/fp4.py), in config.fp4's K and V formats."""
+
+    name = "fp4"
+
+    @staticmethod
+    def side_formats(fp4_formats):
+        return fp4_formats
+
+
+class FP8KeysFP4ValuesKVCache(QuantizedKVCache):
+    """Keys as FP8KVCache stores them, values as FP4KVCache stores values (config.fp4's value format):
+    keys carry most of fp4's loss (bench/RESULTS.md, "KV quality"), so this trades some of fp4's
+    capacity for accuracy. config.fp4's key options do not apply; its rotation (K and V together)
+    cannot."""
+
+    name = "fp8-fp4"
+
+    @staticmethod
+    def side_formats(fp4_formats):
+        return None, fp4_formats[1]
+
+
+_QUANTIZED = {cls.name: cls for cls in (FP8KVCache, FP4KVCache, FP8KeysFP4ValuesKVCache)}
+KV_CACHE_DTYPES = ("auto", *_DENSE_DTYPES, *_QUANTIZED)
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> str:
@@ -585,23 +604,26 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> s
     return kv_cache_dtype
 
 
-FP4Formats = tuple[fp4.FP4Format, fp4.FP4Format]  # (K, V)
-DEFAULT_FP4_FORMATS: FP4Formats = FP4Config().formats()
+def kv_fp4_formats(kv_cache_dtype: str, fp4_formats: FP4Formats | None = None) -> list[fp4.FP4Format]:
+    """The fp4 formats a cache of this kv_cache_dtype stores (those whose head_dim must check out):
+    none for dense and fp8, K and V for fp4, V for fp8-fp4."""
+    cls = _QUANTIZED.get(kv_cache_dtype)
+    if cls is None:
+        return []
+    return [fmt for fmt in cls.side_formats(fp4_formats or DEFAULT_FP4_FORMATS) if fmt is not None]
 
 
 def kv_bytes_per_token(kv_cache_dtype: str, spec: KVCacheSpec, fp4_formats: FP4Formats | None = None) -> int:
     """Bytes of KV cache one token needs across all layers in the given format (metadata included)."""
     name = resolve_kv_cache_dtype(kv_cache_dtype, spec.compute_dtype)
-    if name == "fp4":
-        per_layer = FP4KVCache.bytes_per_token_per_layer(spec, fp4_formats or DEFAULT_FP4_FORMATS)
-    elif name == "fp8":
-        per_layer = FP8KVCache.bytes_per_token_per_layer(spec)
+    if name in _QUANTIZED:
+        per_layer = _QUANTIZED[name].bytes_per_token_per_layer(spec, fp4_formats or DEFAULT_FP4_FORMATS)
     else:
         per_layer = DenseKVCache.bytes_per_token_per_layer(spec, _DENSE_DTYPES[name])
     return per_layer * spec.num_layers
 
 
-_SCRATCH_FORMATS = ("fp8", "fp4")  # their prefill reads a dense scratch (app/engine/prefill_plan.py)
+_SCRATCH_FORMATS = tuple(_QUANTIZED)  # their prefill reads a dense scratch (app/engine/prefill_plan.py)
 
 
 def scratch_tokens(max_model_len: int) -> int:
@@ -622,8 +644,6 @@ def create_kv_cache(
     kv_cache_dtype: str, spec: KVCacheSpec, num_blocks: int, device, fp4_formats: FP4Formats | None = None
 ) -> KVCache:
     name = resolve_kv_cache_dtype(kv_cache_dtype, spec.compute_dtype)
-    if name == "fp4":
-        return FP4KVCache(spec, num_blocks, device, fp4_formats or DEFAULT_FP4_FORMATS)
-    if name == "fp8":
-        return FP8KVCache(spec, num_blocks, device)
+    if name in _QUANTIZED:
+        return _QUANTIZED[name](spec, num_blocks, device, fp4_formats or DEFAULT_FP4_FORMATS)
     return DenseKVCache(spec, num_blocks, device, _DENSE_DTYPES[name])

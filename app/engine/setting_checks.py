@@ -17,7 +17,7 @@ from app.engine.model_source import DUMMY_MODELS
 
 # vLLM's CPU attention backend takes pages of a multiple of 32 tokens only (vLLM 0.32).
 CPU_BLOCK_MULTIPLE = 32
-# Our kv_cache_dtype -> vLLM's; the others (fp4, fp32) are this project's engine only.
+# Our kv_cache_dtype -> vLLM's; the others (fp4, fp8-fp4, fp32) are this project's engine only.
 VLLM_KV_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp8": "fp8_e4m3"}
 
 
@@ -70,6 +70,24 @@ def _native_problems(config: EngineConfig, on_cpu: bool) -> list[str]:
                         "async_scheduling unset)")
     if tp > 1 and on_cpu and config.distributed_backend == "nccl":
         problems.append("distributed_backend 'nccl' needs CUDA devices (device 'cpu'): use 'gloo' or 'auto'")
+    if config.kv_cache_dtype == "fp8-fp4":
+        problems += _fp8_keys_problems(config.fp4)
+    return problems
+
+
+def _fp8_keys_problems(fp4: FP4Config) -> list[str]:
+    """kv_cache_dtype 'fp8-fp4' stores keys in fp8 and values in fp4: fp4's key options (set to other
+    than their defaults) would do nothing, and its rotation turns K and V together (the queries and
+    the output alike)."""
+    problems = []
+    keys = [name for name in ("key_group_size", "key_outliers")
+            if getattr(fp4, name) != FP4Config.model_fields[name].default]
+    if keys:
+        problems.append(f"fp4 {', '.join(keys)}: kv_cache_dtype 'fp8-fp4' stores keys in fp8, so fp4's key "
+                        "options do nothing (leave them at their defaults, or use kv_cache_dtype 'fp4')")
+    if fp4.rotate:
+        problems.append("fp4 rotate rotates K and V together, and kv_cache_dtype 'fp8-fp4' stores keys in fp8 "
+                        "(leave rotate off, or use kv_cache_dtype 'fp4')")
     return problems
 
 
@@ -85,7 +103,7 @@ def _vllm_problems(config: EngineConfig, on_cpu: bool, model_here: bool) -> list
                         "(config.json + *.safetensors) only")
     if config.kv_cache_dtype not in VLLM_KV_DTYPES:
         problems.append(f"kv_cache_dtype {config.kv_cache_dtype!r}: vLLM's KV cache formats here are "
-                        f"{sorted(VLLM_KV_DTYPES)} (fp4 KV is this project's engine: backend native)")
+                        f"{sorted(VLLM_KV_DTYPES)} (fp4 and fp8-fp4 KV are this project's engine: backend native)")
     if config.fp4 != FP4Config():
         problems.append("fp4 options are settings of our fp4 KV cache; vLLM has none of them")
     if config.device not in ("cpu", "cuda"):
