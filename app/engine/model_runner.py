@@ -248,7 +248,8 @@ class ModelRunner:
             logger.info("rank %d computes with %d CPU threads", tp_rank, torch.get_num_threads())
         if self.device.type == "cuda" and config.gpu_fraction is not None:
             # a share of a GPU: past it this engine's allocations fail here, not its neighbours'
-            torch.cuda.set_per_process_memory_fraction(config.gpu_fraction, self.device)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()  # "cuda": current
+            torch.cuda.set_per_process_memory_fraction(config.gpu_fraction, index)
         self.vocab_size = vocab_size  # ids the tokenizer knows; logits beyond are never sampled
         # seconds each start-up phase took (the engine logs them once it is ready)
         self.startup_s: dict[str, float] = {}

@@ -10,10 +10,12 @@ engine installs this recorder on CUDA: it counts compiles and their seconds (eng
 `llm_engine_kernel_compile_seconds_total`), and once the engine calls `mark_serving()` it logs a
 WARNING naming each further compile's kernel and specialization.
 
-It uses Triton's process-wide hooks `knobs.runtime.jit_cache_hook` (called before a compile or a
-disk-cache load, when a launch's specialization is not yet in the kernel's in-memory cache) and
-`knobs.runtime.jit_post_compile_hook` (after it), chaining any hooks already installed. Counts are
-of this process only: tensor-parallel workers in other processes compile on their own.
+It wraps `JITFunction._do_compile`, which Triton (3.4 and later; Gluon kernels included) calls
+when a launch's specialization is not yet in the kernel's in-memory cache, to compile it or load it
+from its disk cache. (Triton's `knobs.runtime.jit_cache_hook` would be the public way, but with any
+hook set Triton 3.6 serializes each specialization to JSON, and Gluon's layout constexprs are not
+JSON-serializable: every Gluon compile then fails.) Counts are of this process only: tensor-parallel
+workers in other processes compile on their own.
 """
 
 from __future__ import annotations
@@ -26,26 +28,16 @@ logger = logging.getLogger(__name__)
 
 
 class CompileLog:
-    """Counts the compiles its hooks see. `on_cache_miss` / `on_compiled` take Triton's hook
-    keyword arguments (`fn`, `repr`, ... ) and return what the chained hook returns (a true value
-    from jit_cache_hook tells Triton to skip the compile, so this recorder itself returns None)."""
+    """Counts the compiles `record` is told of; after `mark_serving()` each is also logged as a warning."""
 
     def __init__(self) -> None:
         self.num_compiles = 0
         self.compile_s = 0.0
         self.num_compiles_serving = 0  # of num_compiles, after mark_serving()
         self.serving = False
-        self._started: dict[int, float] = {}  # thread id -> perf_counter at the miss
         self._lock = threading.Lock()
-        self._prev_miss = self._prev_compiled = None
 
-    def on_cache_miss(self, **kw):
-        self._started[threading.get_ident()] = time.perf_counter()
-        return self._prev_miss(**kw) if self._prev_miss is not None else None
-
-    def on_compiled(self, **kw):
-        t0 = self._started.pop(threading.get_ident(), None)
-        seconds = time.perf_counter() - t0 if t0 is not None else 0.0
+    def record(self, what: str, seconds: float) -> None:
         with self._lock:
             self.num_compiles += 1
             self.compile_s += seconds
@@ -53,8 +45,7 @@ class CompileLog:
                 self.num_compiles_serving += 1
         if self.serving:
             logger.warning("Triton compiled %s while serving (%.2f s; the step waited): a launch specialization "
-                           "start-up did not warm", kw.get("repr") or getattr(kw.get("fn"), "name", "?"), seconds)
-        return self._prev_compiled(**kw) if self._prev_compiled is not None else None
+                           "start-up did not warm", what, seconds)
 
     def mark_serving(self) -> None:
         self.serving = True
@@ -64,28 +55,47 @@ class CompileLog:
                 "kernel_compiles_serving_total": self.num_compiles_serving}
 
 
+def describe(fn, signature, constexprs) -> str:
+    """A kernel's name and specialization, as a compile's log line names it: the argument types
+    Triton specialized on (e.g. `i32` vs `constexpr` for an integer equal to 1) and the constexpr values."""
+    try:
+        names = fn.arg_names
+        values = {names[k[0]] if isinstance(k, tuple) and len(k) == 1 else str(k): v for k, v in constexprs.items()}
+        sig = ", ".join(f"{n}: {t}" for n, t in signature.items() if t != "constexpr")
+        consts = ", ".join(f"{n}={v!r}"[:80] for n, v in values.items())
+        return f"{fn.fn.__qualname__}({sig}; {consts})"
+    except Exception:  # a description is never worth a failed compile
+        return getattr(getattr(fn, "fn", None), "__qualname__", "?")
+
+
 _LOG: CompileLog | None = None
 _INSTALL_LOCK = threading.Lock()
 
 
 def install() -> CompileLog | None:
-    """The process's recorder, installed on Triton's hooks on the first call (None where this
-    Triton has no such hooks: counts then stay unknown, and the caller reports none)."""
+    """The process's recorder, wrapped around Triton's compile on the first call (None where this
+    Triton has no JITFunction._do_compile: counts then stay unknown, and the caller reports none)."""
     global _LOG
     with _INSTALL_LOCK:
         if _LOG is not None:
             return _LOG
         try:
-            from triton import knobs
-            runtime = knobs.runtime
-            runtime.jit_cache_hook, runtime.jit_post_compile_hook  # noqa: B018 (present in this Triton?)
-        except (ImportError, AttributeError):
-            logger.info("this Triton has no compile hooks (triton.knobs.runtime.jit_cache_hook): kernel compiles "
-                        "are not counted")
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            return None
+        compile_fn = getattr(JITFunction, "_do_compile", None)
+        if compile_fn is None:
+            logger.info("this Triton has no JITFunction._do_compile: kernel compiles are not counted")
             return None
         log = CompileLog()
-        log._prev_miss, log._prev_compiled = runtime.jit_cache_hook, runtime.jit_post_compile_hook
-        runtime.jit_cache_hook, runtime.jit_post_compile_hook = log.on_cache_miss, log.on_compiled
+
+        def _do_compile(self, key, signature, device, constexprs, *args, **kwargs):
+            start = time.perf_counter()
+            kernel = compile_fn(self, key, signature, device, constexprs, *args, **kwargs)
+            log.record(describe(self, signature, constexprs), time.perf_counter() - start)
+            return kernel
+
+        JITFunction._do_compile = _do_compile
         _LOG = log
         return log
 
