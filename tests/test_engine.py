@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from app import LLM, SamplingParams
+from app.engine.engine import warmup_prompts
 from app.engine.errors import InvalidRequestError, KVCacheAllocationError
 from app.kv_events.schema import BlockRemoved, BlockStored
 
@@ -377,3 +378,29 @@ def test_engine_counts_its_time_to_first_token(stories_paths):
     stats = llm.engine.stats()
     assert stats["num_first_tokens_total"] == 4
     assert 0 < stats["time_to_first_token_s_total"] <= 4 * wall
+
+
+def test_the_start_up_warm_up_leaves_nothing_behind(stories_paths):
+    """engine.warmup (on by default with CUDA, where it compiles the prefill paths' kernels before the
+    engine reports ready) runs its own requests through a prefill, a prefix-cache hit and a mixed
+    step, and leaves no trace: every block free, an empty prefix cache (its prompt finds no hit
+    afterwards), no KV event, counters at zero, and the same outputs as an engine without it, greedy
+    and seeded or unseeded sampling alike. Small steps (chunked prefill) and fp4 KV, as on a GPU."""
+    model, tokenizer = stories_paths
+    kw = dict(model=model, tokenizer=tokenizer, kv_cache_dtype="fp4", max_num_batched_tokens=24, seed=3)
+    cold, warm = LLM(**kw, warmup=False), LLM(**kw, warmup=True)
+    assert "warmup" in warm.engine.startup_s and "warmup" not in cold.engine.startup_s
+    engine = warm.engine
+    assert engine.take_kv_events() == [] and engine.kv_manager.num_free_blocks == engine.num_kv_blocks
+    assert engine.stats() == cold.engine.stats()
+    assert engine.scheduler.num_prompt_tokens_total == engine.scheduler.num_prefix_hit_tokens_total == 0
+    # the warm-up's own prompt finds nothing cached
+    first, second = warmup_prompts(engine.kv_manager.block_size, engine.vocab_size)
+    assert len(first) % 16 == 0 and len(second) % 2 == 0  # a step of a multiple of 16 tokens, then an odd one
+    (out,) = warm.generate([first], SamplingParams(temperature=0, max_tokens=2))
+    assert out.num_cached_tokens == 0
+    prompts = ["Once upon a time", "The little dog", "Lily and Tom"]
+    for params in (SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=1.0, max_tokens=24),
+                   SamplingParams(temperature=0.8, max_tokens=24, seed=11)):
+        assert ([o.token_ids for o in warm.generate(prompts, params)]
+                == [o.token_ids for o in cold.generate(prompts, params)])

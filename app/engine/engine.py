@@ -17,7 +17,7 @@ from app.engine.errors import InvalidRequestError
 from app.engine.executor import Executor, LaunchedStep, LocalExecutor
 from app.engine.grammar import StructuredOutputManager, check_tokenizer
 from app.engine.kv_cache import KVCacheSpec, kv_bytes_per_token, kv_fp4_formats
-from app.engine.kv_cache_manager import KVCacheManager
+from app.engine.kv_cache_manager import KVCacheManager, cdiv
 from app.engine.model_runner import GrammarMask, resolve_dtype
 from app.engine.model_source import load_model_config, resolve_tokenizer
 from app.engine.outputs import RequestMetrics, RequestOutput, prompt_logprobs_dicts
@@ -68,6 +68,17 @@ class _RequestState:
     error: str | None = None
     request_id: str = ""  # the caller's id (the sequence's own id differs for choices of n > 1)
     index: int = 0
+
+
+def warmup_prompts(block_size: int, vocab_size: int) -> tuple[list[int], list[int]]:
+    """The start-up warm-up's two prompts (LLMEngine._warm_up). Triton specializes a kernel on each
+    integer argument being 1 or a multiple of 16, so the steps cover both: the first prompt has a
+    multiple of 16 tokens (at least two full blocks), the second shares its first two blocks and
+    adds block_size + 2 tokens, which with the first's decode row make an odd step (for a block size
+    of 16)."""
+    first = [(7 * i + 3) % vocab_size for i in range(16 * cdiv(2 * block_size + 1, 16))]
+    second = first[: 2 * block_size] + [(5 * i + 11) % vocab_size for i in range(block_size + 2)]
+    return first, second
 
 
 class LLMEngine:
@@ -147,6 +158,10 @@ class LLMEngine:
         # Seconds of each start-up phase: the executor's (model load, KV cache, CUDA graphs where it
         # runs in this process, else its whole start as "workers"), the checks and tokenizer before.
         phases = dict(runner.startup_s) if runner is not None else {"workers": executor_s}
+        if config.warmup if config.warmup is not None else self.device.type == "cuda":
+            t_warmup = time.perf_counter()
+            self._warm_up()
+            phases["warmup"] = time.perf_counter() - t_warmup
         self.startup_s = {"config_and_tokenizer": t_executor - t_start, **phases,
                           "total": time.perf_counter() - t_start}
         logger.info(
@@ -158,6 +173,32 @@ class LLMEngine:
         )
         if self.compile_log is not None:
             self.compile_log.mark_serving()
+
+    def _warm_up(self) -> None:
+        """The paths a first user would compile (EngineConfig.warmup): a prefill of an odd token count,
+        then a request whose prompt starts with the first's two full blocks (a prefix-cache hit, read
+        back through the quantized formats' dequantize path) arriving while the first decodes (a
+        mixed step: prefill and decode rows in one forward, the decode rows through the eager decode
+        kernel), then decode steps. Afterwards nothing of it remains: blocks freed, prefix cache
+        emptied, KV events dropped, counters back to where they were."""
+        first, second = warmup_prompts(self.kv_manager.block_size, self.vocab_size)
+        if max(len(first), len(second)) + 4 > self.max_model_len:  # a tiny max_model_len: nothing worth warming
+            return
+        counters = (self.scheduler.num_prompt_tokens_total, self.scheduler.num_prefix_hit_tokens_total,
+                    self.scheduler.num_preemptions_total)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        self.add_request("warmup-0", first, params)
+        self.step()
+        self.add_request("warmup-1", second, params)
+        while self.has_unfinished_requests():
+            self.step()
+        self.kv_manager.reset_prefix_cache()
+        with self._lock:
+            self._kv_events.clear()
+        (self.scheduler.num_prompt_tokens_total, self.scheduler.num_prefix_hit_tokens_total,
+         self.scheduler.num_preemptions_total) = counters
+        self.num_first_tokens_total, self.time_to_first_token_s_total, self.peak_num_running = 0, 0.0, 0
+        self.num_kv_events_dropped = 0
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(self, prompt: str | Seq[int]) -> list[int]:

@@ -112,8 +112,8 @@ def _vllm_problems(config: EngineConfig, on_cpu: bool, model_here: bool) -> list
     if on_cpu and config.block_size % CPU_BLOCK_MULTIPLE:
         problems.append(f"block_size {config.block_size}: vLLM's CPU attention needs a multiple of "
                         f"{CPU_BLOCK_MULTIPLE}")
-    for name in ("execute_timeout_s", "distributed_backend", "cpu_threads"):
+    for name in ("execute_timeout_s", "distributed_backend", "cpu_threads", "warmup"):
         if name in config.model_fields_set:
-            problems.append(f"{name} has no vLLM equivalent (vLLM picks its own collectives, timeouts and CPU "
-                            "threads: VLLM_CPU_OMP_THREADS_BIND)")
+            problems.append(f"{name} has no vLLM equivalent (vLLM picks its own collectives, timeouts, CPU "
+                            "threads (VLLM_CPU_OMP_THREADS_BIND) and start-up warm-up)")
     return problems
