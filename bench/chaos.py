@@ -386,13 +386,23 @@ def run(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="chaos-"))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     t_start = time.monotonic()
+    draw = fuzz_drawer(args.fuzz_bodies)  # before serve run: a missing fuzzing library fails at once
     with serve_run(workdir, chaos_config(args)) as url:
-        return _run(args, url, t_start)
+        return _run(args, url, t_start, draw)
 
 
-def _run(args, url: str, t_start: float) -> dict:
+def fuzz_drawer(num_bodies: int):
+    """draw(n, seed) -> fuzzed request bodies (bench/request_fuzz.py, which needs hypothesis and
+    hypothesis-jsonschema, the test extra); with no bodies asked for, no import (a GPU machine with
+    only the serving wheels runs --fuzz-bodies 0)."""
+    if num_bodies <= 0:
+        return lambda n, seed: []
     from bench.request_fuzz import draw
 
+    return draw
+
+
+def _run(args, url: str, t_start: float, draw) -> dict:
     try:
         import ray
 

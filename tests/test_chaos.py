@@ -38,3 +38,15 @@ def test_counts_summary_orders_http_and_stream_statuses():
     c = chaos.Counts(sent=3, completed=1)
     c.clean_errors.update({503: 1, "stream:503": 1})
     assert c.summary()["clean_errors"] == {503: 1, "stream:503": 1}
+
+
+def test_no_fuzzed_bodies_needs_no_fuzzing_library(monkeypatch):
+    """--fuzz-bodies 0 (a GPU machine with only the serving wheels) imports no fuzzing library; asking
+    for bodies without it fails at once, before `serve run` starts, not after."""
+    import sys
+
+    monkeypatch.delitem(sys.modules, "bench.request_fuzz", raising=False)
+    monkeypatch.setitem(sys.modules, "hypothesis_jsonschema", None)  # as if not installed
+    assert chaos.fuzz_drawer(0)(0, seed=0) == []
+    with pytest.raises(ImportError):
+        chaos.fuzz_drawer(5)
