@@ -404,3 +404,12 @@ def test_the_start_up_warm_up_leaves_nothing_behind(stories_paths):
                    SamplingParams(temperature=0.8, max_tokens=24, seed=11)):
         assert ([o.token_ids for o in warm.generate(prompts, params)]
                 == [o.token_ids for o in cold.generate(prompts, params)])
+
+
+def test_a_cache_too_small_for_the_warm_up_skips_it(stories_paths):
+    """The warm-up needs a few blocks and tokens; an engine with fewer starts without it (no error)."""
+    model, tokenizer = stories_paths
+    llm = LLM(model=model, tokenizer=tokenizer, warmup=True, num_kv_blocks=4)
+    assert "warmup" in llm.engine.startup_s and llm.engine.kv_manager.num_free_blocks == 4
+    (out,) = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8))
+    assert len(out.token_ids) == 8

@@ -181,8 +181,12 @@ class LLMEngine:
         mixed step: prefill and decode rows in one forward, the decode rows through the eager decode
         kernel), then decode steps. Afterwards nothing of it remains: blocks freed, prefix cache
         emptied, KV events dropped, counters back to where they were."""
-        first, second = warmup_prompts(self.kv_manager.block_size, self.vocab_size)
-        if max(len(first), len(second)) + 4 > self.max_model_len:  # a tiny max_model_len: nothing worth warming
+        bs = self.kv_manager.block_size
+        first, second = warmup_prompts(bs, self.vocab_size)
+        if (max(len(first), len(second)) + 4 > self.max_model_len
+                or cdiv(len(first) + 4, bs) + cdiv(len(second) + 4, bs) > self.num_kv_blocks):
+            logger.info("no start-up warm-up: max_model_len %d or %d KV blocks are too small for it",
+                        self.max_model_len, self.num_kv_blocks)
             return
         counters = (self.scheduler.num_prompt_tokens_total, self.scheduler.num_prefix_hit_tokens_total,
                     self.scheduler.num_preemptions_total)
