@@ -380,14 +380,16 @@ def test_engine_counts_its_time_to_first_token(stories_paths):
     assert 0 < stats["time_to_first_token_s_total"] <= 4 * wall
 
 
-def test_the_start_up_warm_up_leaves_nothing_behind(stories_paths):
+@pytest.mark.parametrize("async_scheduling", [False, True])  # True: the GPU default
+def test_the_start_up_warm_up_leaves_nothing_behind(stories_paths, async_scheduling):
     """engine.warmup (on by default with CUDA, where it compiles the prefill paths' kernels before the
     engine reports ready) runs its own requests through a prefill, a prefix-cache hit and a mixed
     step, and leaves no trace: every block free, an empty prefix cache (its prompt finds no hit
     afterwards), no KV event, counters at zero, and the same outputs as an engine without it, greedy
     and seeded or unseeded sampling alike. Small steps (chunked prefill) and fp4 KV, as on a GPU."""
     model, tokenizer = stories_paths
-    kw = dict(model=model, tokenizer=tokenizer, kv_cache_dtype="fp4", max_num_batched_tokens=24, seed=3)
+    kw = dict(model=model, tokenizer=tokenizer, kv_cache_dtype="fp4", max_num_batched_tokens=24, seed=3,
+              async_scheduling=async_scheduling)
     cold, warm = LLM(**kw, warmup=False), LLM(**kw, warmup=True)
     assert "warmup" in warm.engine.startup_s and "warmup" not in cold.engine.startup_s
     engine = warm.engine
