@@ -28,6 +28,17 @@ def test_compiles_are_counted_and_those_while_serving_warned(caplog):
     assert "add_kernel(x: *fp32, n: i32; BLOCK=128)" in record.getMessage() and "while serving" in record.getMessage()
 
 
+def test_a_second_engine_starting_in_the_process_is_not_warned_of_its_start_up_compiles(caplog):
+    """One recorder per process: an engine starting after another has served marks it starting
+    again, so its own graph-capture and warm-up compiles are start-up ones."""
+    log = CompileLog()
+    log.mark_serving()  # the first engine serves
+    log.mark_starting()  # a second one starts
+    with caplog.at_level(logging.WARNING, logger="app.kernels.compile_log"):
+        log.record("capture_kernel(x: *fp32; )", 0.1)
+    assert log.stats()["kernel_compiles_serving_total"] == 0 and not caplog.records
+
+
 def _scale(x_ptr, n, factor: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * factor, mask=offs < n)

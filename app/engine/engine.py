@@ -113,6 +113,9 @@ class LLMEngine:
         # Triton compiles from here on are counted (CUDA: the graph capture compiles the decode builds;
         # one after start-up stalls a step and is logged as a warning).
         self.compile_log = compile_log.install() if self.device.type == "cuda" else None
+        if self.compile_log is not None:  # one recorder per process: this engine reports what it adds
+            self.compile_log.mark_starting()
+            self._compiles_before = self.compile_log.stats()
         # Loads the model (its shards on tensor-parallel workers) and allocates the KV cache.
         t_executor = time.perf_counter()
         self.executor = create_executor(config, self.vocab_size, self.max_model_len)
@@ -160,7 +163,11 @@ class LLMEngine:
         phases = dict(runner.startup_s) if runner is not None else {"workers": executor_s}
         if config.warmup if config.warmup is not None else self.device.type == "cuda":
             t_warmup = time.perf_counter()
-            self._warm_up()
+            try:
+                self._warm_up()
+            except BaseException:  # the engine never starts: its workers must not outlive it
+                self.shutdown()
+                raise
             phases["warmup"] = time.perf_counter() - t_warmup
         self.startup_s = {"config_and_tokenizer": t_executor - t_start, **phases,
                           "total": time.perf_counter() - t_start}
@@ -175,8 +182,8 @@ class LLMEngine:
             self.compile_log.mark_serving()
 
     def _warm_up(self) -> None:
-        """The paths a first user would compile (EngineConfig.warmup): a prefill of an odd token count,
-        then a request whose prompt starts with the first's two full blocks (a prefix-cache hit, read
+        """The paths a first user would compile (EngineConfig.warmup): a prefill of a multiple of 16
+        tokens, then a request whose prompt starts with the first's two full blocks (a prefix-cache hit, read
         back through the quantized formats' dequantize path) arriving while the first decodes (a
         mixed step: prefill and decode rows in one forward, the decode rows through the eager decode
         kernel), then decode steps. Afterwards nothing of it remains: blocks freed, prefix cache
@@ -196,9 +203,11 @@ class LLMEngine:
         self.add_request("warmup-1", second, params)
         while self.has_unfinished_requests():
             self.step()
-        self.kv_manager.reset_prefix_cache()
-        with self._lock:
-            self._kv_events.clear()
+        if self.kv_manager.reset_prefix_cache():
+            with self._lock:
+                self._kv_events.clear()
+        else:  # cannot happen with every request finished; then its blocks' events stay true
+            logger.warning("start-up warm-up: its blocks stay in the prefix cache (some still in use)")
         (self.scheduler.num_prompt_tokens_total, self.scheduler.num_prefix_hit_tokens_total,
          self.scheduler.num_preemptions_total) = counters
         self.num_first_tokens_total, self.time_to_first_token_s_total, self.peak_num_running = 0, 0.0, 0
@@ -616,7 +625,8 @@ class LLMEngine:
             "num_first_tokens_total": self.num_first_tokens_total,
             "time_to_first_token_s_total": self.time_to_first_token_s_total,
             # Triton compiles in this process (CUDA), all and those after start-up (each stalled a step)
-            **(self.compile_log.stats() if self.compile_log is not None else {}),
+            **({k: v - self._compiles_before[k] for k, v in self.compile_log.stats().items()}
+               if self.compile_log is not None else {}),
         }
 
 

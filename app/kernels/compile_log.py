@@ -47,6 +47,10 @@ class CompileLog:
             logger.warning("Triton compiled %s while serving (%.2f s; the step waited): a launch specialization "
                            "start-up did not warm", what, seconds)
 
+    def mark_starting(self) -> None:
+        """An engine of this process starts: its compiles are start-up ones until mark_serving()."""
+        self.serving = False
+
     def mark_serving(self) -> None:
         self.serving = True
 
