@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from app import LLM, SamplingParams
 from app.config import FP4Config
 from app.engine.attention import AttentionMetadata
-from app.engine.kv_cache import DenseKVCache, KVCacheSpec, kv_bytes_per_token
+from app.engine.kv_cache import DenseKVCache, KVCacheSpec, kv_bytes_per_token, side_bytes_per_vector
 from app.engine.models.decoder import apply_rope, rope_cos_sin
 from app.kernels import fp4, fp8
 from app.kernels.attention_ref import causal_attention_ref
@@ -166,9 +166,7 @@ def bytes_per_token_head(kind: str, opts: dict | None, head_dim: int = HEAD_DIM)
     if kind in ("bf16", "fp32"):
         itemsize = 2 if kind == "bf16" else 4
         return itemsize * head_dim, itemsize * head_dim
-    # fp8: e4m3 values + a float32 scale
-    return tuple(head_dim + fp8.FP8_BYTES_PER_VECTOR_EXTRA if side == "fp8" else fmt.bytes_per_vector(head_dim)
-                 for side, fmt in sides(kind, opts))
+    return tuple(side_bytes_per_vector(fmt, head_dim) for _, fmt in sides(kind, opts))  # fmt None: fp8
 
 
 def size_cells(kind: str, opts: dict | None) -> list:

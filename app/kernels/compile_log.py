@@ -102,7 +102,3 @@ def install() -> CompileLog | None:
         JITFunction._do_compile = _do_compile
         _LOG = log
         return log
-
-
-def installed() -> CompileLog | None:
-    return _LOG
