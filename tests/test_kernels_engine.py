@@ -68,3 +68,23 @@ def test_kernel_problems_name_the_reason():
     fp32 = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, compute_dtype=torch.float32)
     assert "float32" in create_kv_cache("fp8", fp32, 2, "cpu").kernel_problem()
     assert create_kv_cache("fp4", SPEC, 2, "cpu").kernel_problem() is None
+
+
+@pytest.mark.parametrize("kv,formats", [("bf16", None), ("fp8", None), ("fp4", DEFAULT_FP4),
+                                        ("fp8-fp4", (None, DEFAULT_FP4[1]))], ids=["bf16", "fp8", "fp4", "fp8-fp4"])
+def test_warm_kernels_launch_the_builds_and_write_nothing(kv, formats, monkeypatch):
+    """KVCache.warm_kernels (start-up on CUDA: every store and decode build compiled before serving)
+    launches the store and decode kernels for real, here interpreted, and leaves every page as it was."""
+    from app.kernels import paged, store_kv
+
+    monkeypatch.setattr(store_kv, "WIDE_ROWS", 64)  # the wide store's launch in fewer interpreted rows
+
+    cache = create_kv_cache(kv, SPEC, 8, "cpu", formats)
+    cache.use_kernels = True
+    gen = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(20, SPEC.num_kv_heads, SPEC.head_dim, generator=gen) for _ in range(2))
+    cache.store(0, k.bfloat16(), v.bfloat16(), torch.arange(20) + 16)
+    tensors = [t for pages in cache.layer_pages(0) for t in paged.page_args(pages)]
+    before = [t.clone() for t in tensors]
+    cache.warm_kernels(NUM_HEADS, max_blocks_per_seq=4)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(tensors, before))

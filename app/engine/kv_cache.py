@@ -165,6 +165,20 @@ class KVCache(ABC):
         as the kernels do in registers, rather than rounding to the compute dtype)."""
         return self.read_blocks(layer, block_ids)
 
+    def warm_kernels(self, num_heads: int, max_blocks_per_seq: int) -> None:
+        """Compile, before serving, every build of the store and decode kernels that this cache's
+        launches can pick (store_kv.warm_builds, decode_attention.warm_builds): reads and no writes.
+        The decode graphs' capture covers only their own builds; the prefill paths are warmed by the
+        engine's warm-up requests (LLMEngine._warm_up)."""
+        if not self.kernels_enabled():
+            return
+        from app.kernels import decode_attention, store_kv
+
+        k_pages, v_pages = self.layer_pages(0)
+        dtype = self.spec.compute_dtype
+        store_kv.warm_builds(k_pages, v_pages, self.kernel_formats, dtype)
+        decode_attention.warm_builds(num_heads, k_pages, v_pages, self.kernel_formats, dtype, max_blocks_per_seq)
+
     def _attend_kernels(self, layer, query, meta, scale) -> torch.Tensor:
         """A step of decodes only runs split-KV flash-decoding. Any other step runs the plan of
         app/engine/prefill_plan.py: its one-token rows through the decode kernel, its prefill chunks

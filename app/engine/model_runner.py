@@ -259,6 +259,7 @@ class ModelRunner:
                                     tp_rank=tp_rank, tp_size=tp_size)
         self.startup_s["model"] = time.perf_counter() - t0
         self.max_model_len = max_model_len or config.max_model_len or mc.max_position_embeddings
+        self.num_heads = mc.num_attention_heads // tp_size  # this rank's query heads
         self.kv_spec = KVCacheSpec(
             num_layers=mc.num_hidden_layers,
             num_kv_heads=mc.num_key_value_heads // tp_size,  # this rank's KV heads only
@@ -321,6 +322,10 @@ class ModelRunner:
             self.kv_cache = self.buffers = None
             raise KVCacheAllocationError(self._allocation_failure(num_blocks, e)) from e
         self.startup_s["kv_cache"] = time.perf_counter() - t0
+        if self.device.type == "cuda" and (c.warmup if c.warmup is not None else True):
+            t0 = time.perf_counter()  # the kernel builds the graphs and the warm-up requests do not launch
+            self.kv_cache.warm_kernels(self.num_heads, self.buffers.max_blocks_per_seq)
+            self.startup_s["kernels"] = time.perf_counter() - t0
         if self.device.type == "cpu":
             # Build (first use on this machine, ~35 s) or load the CPU extension now, while the
             # engine starts, not inside the first request's deadline.

@@ -26,6 +26,10 @@ import triton.language as tl
 from app.kernels import fp4, fp8, paged
 from app.kernels.fp4 import FP4Format
 
+# Stores of more (token, KV head) rows than this (prefill chunks) take 16 rows per program, fewer
+# (decode steps) 4: with few rows, more programs in flight hide fp4's long per-vector chain.
+WIDE_ROWS = 4096
+
 
 @triton.jit
 def _e4m3_encode(v):
@@ -157,7 +161,7 @@ def _nonfinite_rows(x_ptr, off, mask, D: tl.constexpr):
     return tl.max(((x - x) != 0.0).to(tl.int32), 1) > 0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_rows",))  # a new token count must not compile a new build
 def _store_kv_kernel(
     k_ptr, v_ptr, slot_ptr, num_rows, flag_ptr, stride_k, stride_v,
     k0, k1, k2, k3, k4, v0, v1, v2, v3, v4,
@@ -230,7 +234,7 @@ def store_kv(
     num_rows = num_tokens * num_kv_heads
     # fp4 quantization is a long dependent chain per vector: few vectors per program for a decode
     # step's handful of tokens (more programs in flight), more for prefill
-    block_r = block_r or (4 if num_rows <= 4096 else 16)
+    block_r = block_r or (4 if num_rows <= WIDE_ROWS else 16)
     assert paged.is_pow2(head_dim) and paged.is_pow2(block_r), f"head_dim {head_dim} and block_r must be powers of two"
     if num_tokens == 0:
         return
@@ -249,6 +253,19 @@ def store_kv(
         H=num_kv_heads, D=head_dim, BLOCK_R=block_r, FLAG=nonfinite is not None, **k_ce, **v_ce,
         num_warps=num_warps, enable_fp_fusion=False,
     )
+
+
+def warm_builds(k_pages, v_pages, formats: tuple[FP4Format | None, FP4Format | None], dtype: torch.dtype) -> None:
+    """Compile, before serving, both builds the engine's stores use for these pages (few rows per
+    program for up to WIDE_ROWS (token, KV head) rows, more beyond; NaN/Inf flagged): one launch of
+    each over tokens whose slots are all -1, which writes nothing."""
+    _, _, num_kv_heads, head_dim = paged.check_pages(k_pages, formats[0], "k_pages")
+    device = paged.page_args(k_pages)[0].device
+    for num_tokens in (1, WIDE_ROWS // num_kv_heads + 1):
+        kv = torch.zeros(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+        slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+        flags = torch.zeros(num_tokens, dtype=torch.int32, device=device)
+        store_kv(kv, kv, slots, k_pages, v_pages, formats, nonfinite=flags)
 
 
 def store_kv_ref(key, value, slot_mapping, k_pages, v_pages,
