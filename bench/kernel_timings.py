@@ -6,7 +6,7 @@
 2. checks at small sizes on realistic data: store_kv bits against the torch path, decode and
    prefill against float32 attention over the dequantized pages, the inline-PTX fp4 unpack
    against plain Triton;
-3. decode: fp4 and fp8 pages vs torch SDPA bf16 on contiguous K/V (enable_gqa, fastest backend) vs our bf16
+3. decode: fp4, fp8 and fp8-key/fp4-value pages vs torch SDPA bf16 on contiguous K/V (enable_gqa, fastest backend) vs our bf16
    paged kernel, Llama-3.1-8B per GPU (32 q heads, 8 KV heads) and 70B at TP=8 (8 q heads, 1 KV
    head), head_dim 128, contexts 1k-64k, batch 1-128; effective bandwidth = KV bytes / time; fp4
    runs the default (the Gluon kernel on this cache) and, on the same pages, the Triton fp4 kernel
@@ -55,6 +55,7 @@ MODELS = {"8B": (32, 8), "70B-TP8": (8, 1)}  # (q heads, KV heads) per GPU
 FP4_BYTES = sum(f.bytes_per_vector(HEAD_DIM) for f in FORMATS)  # K + V per token and KV head: 150
 BF16_BYTES = 2 * 2 * HEAD_DIM  # 512
 FP8_BYTES = 2 * (HEAD_DIM + 4)  # K + V: E4M3 values and a float32 scale each: 264
+FP8_FP4_BYTES = HEAD_DIM + 4 + FORMATS[1].bytes_per_vector(HEAD_DIM)  # fp8 K, fp4 V (kv_cache_dtype fp8-fp4): 201
 GLUON_TILE = decode_fp4_gluon.W * decode_fp4_gluon.TW  # tokens per program and tile, as the launcher splits
 
 
@@ -296,9 +297,11 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
         del kp, vp
         row["fp8_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx))
         row["fp8_generic_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx, fp8_kernel=False))
-        del k8, v8
-        # fp4
+        del v8
+        # fp4; fp8 keys with fp4 values (kv_cache_dtype fp8-fp4: the generic kernel)
         kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
+        row["fp8_fp4_ms"] = bench(lambda: decode_attention(q, k8, vp, table, sl, scale, ctx, (None, FORMATS[1])))
+        del k8
         row["fp4_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
         # the Gluon kernel with loads into registers instead of its cp.async ring (the default, fp4_ms)
         row["fp4_regload_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
@@ -348,6 +351,9 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
         row["fp8_speedup_vs_bf16_paged"] = row["bf16_paged_ms"] / row["fp8_ms"]
         row["fp8_speedup_vs_generic"] = row["fp8_generic_ms"] / row["fp8_ms"]
         row["fp8_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP8_BYTES / (row["fp8_ms"] * 1e-3) / copy_bw
+        row["fp8_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp8_ms"]
+        row["fp8_fp4_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp8_fp4_ms"]
+        row["fp8_fp4_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP8_FP4_BYTES / (row["fp8_fp4_ms"] * 1e-3) / copy_bw
         row["fp4_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP4_BYTES / (row["fp4_ms"] * 1e-3) / copy_bw
         row["sdpa_eff_bw_pct_copy"] = 100 * kv_bytes / (row["sdpa_ms"] * 1e-3) / copy_bw
         row["bf16_paged_eff_bw_pct_copy"] = 100 * kv_bytes / (row["bf16_paged_ms"] * 1e-3) / copy_bw
@@ -605,6 +611,13 @@ def print_tables(results: dict) -> None:
             print(f"{r['model']} {r['ctx']} {r['batch']} | {r['bf16_paged_ms']:.4f} {r['fp8_ms']:.4f} "
                   f"{r['fp8_generic_ms']:.4f} | {r['fp8_speedup_vs_bf16_paged']:.2f} | {r['fp8_speedup_vs_generic']:.2f} | "
                   f"{r['fp8_eff_bw_pct_copy']:.0f} {r['bf16_paged_eff_bw_pct_copy']:.0f}")
+        print("model ctx batch | sdpa_ms fp8_ms fp8_fp4_ms fp4_ms | fp8 x sdpa | fp8-fp4 x sdpa | fp4 x sdpa | "
+              "fp8 %copy fp8-fp4 %copy fp4 %copy")
+        for r in results["decode"]:
+            print(f"{r['model']} {r['ctx']} {r['batch']} | {r['sdpa_ms']:.4f} {r['fp8_ms']:.4f} {r['fp8_fp4_ms']:.4f} "
+                  f"{r['fp4_ms']:.4f} | {r['fp8_speedup_vs_sdpa']:.2f} | {r['fp8_fp4_speedup_vs_sdpa']:.2f} | "
+                  f"{r['fp4_speedup_vs_sdpa']:.2f} | {r['fp8_eff_bw_pct_copy']:.0f} {r['fp8_fp4_eff_bw_pct_copy']:.0f} "
+                  f"{r['fp4_eff_bw_pct_copy']:.0f}")
 
 
 if __name__ == "__main__":
