@@ -267,22 +267,31 @@ def test_async_scheduling_equals_sync_on_gpu(stories_paths, tmp_path, kv_cache_d
 def test_async_scheduling_with_stops_and_preemption_on_gpu(stories_paths, tmp_path):
     """Requests that stop on their end-of-story token or a stop string (async mode computes one step
     more for them, whose token is dropped) and preemption (a small cache): the synchronous engine's
-    tokens. Here the two modes run different batches (preemptions fall on other steps, so a preempted
-    request's tokens are recomputed by a prefill in one mode where the other decoded them), so the
-    model computes in float32: in bf16 those paths' rounding moved log-probabilities by up to 0.06
-    nats on an H100 and 9 of the 24 continuations parted (at every commit back to 5d9999d, with and
-    without the start-up warm-up; the same workload on the CPU gives equal tokens)."""
+    greedy tokens, bf16 KV, up to a near-tie. The two modes run different batches (preemptions fall
+    on other steps, so a preempted request's tokens are recomputed by a prefill in one mode where the
+    other decoded them), and half-precision rounding of those paths moves log-probabilities by a few
+    hundredths of a nat: on an H100, 9 of 24 continuations parted in bf16 (at every commit back to
+    5d9999d, with and without the start-up warm-up), fp16 parted too, and the CPU in float32 gives
+    equal tokens. So a continuation may part from the other mode's only where both runs' tokens are
+    within 0.1 nats of each other's best (_assert_parts_at_near_tie), and most must not part at all.
+    Seeded sampling through async steps is compared exactly where the batches are the same
+    (test_async_scheduling_equals_sync_on_gpu)."""
     rng = random.Random(2)
     prompts = ["Once upon a time" if i % 5 == 0 else rng.choice(WORDS) + " " + rng.choice(WORDS) for i in range(24)]
-    params = [SamplingParams(temperature=0 if i % 3 else 0.8, seed=i, max_tokens=rng.randrange(4, 200),
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(4, 200), logprobs=2,
                              stop=["Lily"] if i % 5 == 0 else None) for i in range(24)]
-    results = _async_and_sync(stories_paths, tmp_path, prompts, params, dtype="float32", kv_cache_dtype="fp32",
-                              max_num_seqs=16, num_kv_blocks=24, max_model_len=256)
+    results = _async_and_sync(stories_paths, tmp_path, prompts, params, kv_cache_dtype="bf16", max_num_seqs=16,
+                              num_kv_blocks=24, max_model_len=256)
     for mode in (False, True):
         outs, preemptions = results[mode]
         assert preemptions > 0 and {o.finish_reason for o in outs} == {"stop", "length"}
-    assert [(o.token_ids, o.finish_reason, o.text) for o in results[True][0]] == \
-        [(o.token_ids, o.finish_reason, o.text) for o in results[False][0]]
+    same = 0
+    for x, y in zip(results[True][0], results[False][0]):
+        _assert_parts_at_near_tie(x, y)
+        if x.token_ids == y.token_ids:
+            assert (x.finish_reason, x.text) == (y.finish_reason, y.text)
+            same += 1
+    assert same >= 0.6 * len(prompts), same
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8", "fp4"])
