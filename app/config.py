@@ -179,12 +179,13 @@ class EngineConfig(BaseModel):
         "samples to the other ranks), off unless set (not measured on GPUs yet); the 'ray' executor refuses it.",
     )
     warmup: bool | None = Field(
-        None, description="Before the engine reports ready, run a few requests of its own through the prefill "
-        "paths the decode graphs do not cover (a prefill, a prefix-cache hit, a step mixing a prefill with a "
-        "decode), so that their Triton kernels are compiled (or loaded from Triton's cache) at start-up, not "
-        "inside the first users' requests (up to ~1 s each on a machine whose cache is cold). Nothing of them "
-        "is left: their blocks are freed, the prefix cache emptied, no KV event sent, no counter moved. Default "
-        "(null): on with CUDA, off on the CPU (it compiles nothing there).",
+        None, description="Before the engine reports ready, compile every build of the KV store and decode "
+        "kernels that their launch rules can pick (launches that read and write nothing), and run a few requests "
+        "of its own through the prefill paths the decode graphs do not cover (a prefill, a prefix-cache hit, a "
+        "step mixing a prefill with a decode), so that their Triton kernels are compiled (or loaded from "
+        "Triton's cache) at start-up, not inside the first users' requests (up to ~2.5 s each on a machine whose "
+        "cache is cold). Nothing of them is left: their blocks are freed, the prefix cache emptied, no KV event "
+        "sent, no counter moved. Default (null): on with CUDA, off on the CPU (it compiles nothing there).",
     )
     seed: int = Field(0, description="Seed of dummy weights and of unseeded sampling.")
     tensor_parallel_size: int = Field(
