@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from app.kernels import decode_fp4_gluon  # noqa: E402
-from app.kernels.decode_attention import decode_attention, num_splits_for, split_plan  # noqa: E402
+from app.kernels.decode_attention import DecodeOptions, decode_attention, num_splits_for, split_plan  # noqa: E402
 from bench.kernel_timings import (BF16_BYTES, DEV, FORMATS, GLUON_TILE, HEAD_DIM, KG8, MODELS,  # noqa: E402
                                   add_case_args, best_sdpa, best_times, random_fp4_pages, run_info, save_row,
                                   sdpa_decode, shuffled_tables)
@@ -107,7 +107,8 @@ def rule_splits(q, base: Layers, table, sl, ctx) -> int:
 def split_layers(splits: int, base: Layers, q, table, sl, ctx):
     """decode_attention on base's pages (the default format) with `splits` splits instead of the planned count."""
     fmts, scale = FORMATS, HEAD_DIM ** -0.5
-    return Layers(base.n, lambda i: decode_attention(q, *base.pages[i], table, sl, scale, ctx, fmts, num_splits=splits))
+    return Layers(base.n, lambda i: decode_attention(q, *base.pages[i], table, sl, scale, ctx, fmts,
+                                                     options=DecodeOptions(num_splits=splits)))
 
 
 def captured(fn):

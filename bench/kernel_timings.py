@@ -10,7 +10,7 @@
    paged kernel, Llama-3.1-8B per GPU (32 q heads, 8 KV heads) and 70B at TP=8 (8 q heads, 1 KV
    head), head_dim 128, contexts 1k-64k, batch 1-128; effective bandwidth = KV bytes / time; fp4
    runs the default (the Gluon kernel on this cache) and, on the same pages, the Triton fp4 kernel
-   (fp4_kernel=True) and the generic kernel (fp4_kernel=False), side by side;
+   (kernel "fp4") and the generic kernel (kernel "generic"), side by side;
 4. store_kv cost per token; 5. prefill TFLOP/s per format (fp8 and fp4 as the engine runs them: dequantized
    into a dense scratch, then the bf16 kernel; and the former in-kernel fp4 path) against SDPA bf16; 6. the engine smoke:
    greedy tokens with the kernels vs the torch path, Llama-3.1-8B shapes carrying a trained model
@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.config import FP4Config  # noqa: E402
 from app.kernels import decode_fp4_gluon, fp4, fp8, paged  # noqa: E402
 from app.kernels.attention_ref import decode_attention_ref, prefill_attention_ref  # noqa: E402
-from app.kernels.decode_attention import decode_attention, num_splits_for  # noqa: E402
+from app.kernels.decode_attention import DecodeOptions, decode_attention, num_splits_for  # noqa: E402
 from app.kernels.prefill_attention import prefill_attention  # noqa: E402
 from app.kernels.dequantize_blocks import dequantize_blocks  # noqa: E402
 from app.engine.prefill_plan import plan_prefill  # noqa: E402
@@ -289,14 +289,15 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
         row["bf16_paged_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx))
         if tune and ctx in (8192, 32768) and batch in (1, 32):
             row["bf16_paged_precise_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
-                                                                          precise_pv=True))
+                                                                          options=DecodeOptions(precise_pv=True)))
             row["bf16_paged_bn128_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
-                                                                        block_n=128))
+                                                                        options=DecodeOptions(block_n=128)))
         # fp8 pages: the fp8 kernel (the default) and the generic kernel on the same pages (the path before it)
         k8, v8 = fp8.fp8_quantize(kp), fp8.fp8_quantize(vp)
         del kp, vp
         row["fp8_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx))
-        row["fp8_generic_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx, fp8_kernel=False))
+        row["fp8_generic_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx,
+                                                               options=DecodeOptions(kernel="generic")))
         del v8
         # fp4; fp8 keys with fp4 values (kv_cache_dtype fp8-fp4: the generic kernel)
         kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
@@ -305,7 +306,7 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
         row["fp4_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
         # the Gluon kernel with loads into registers instead of its cp.async ring (the default, fp4_ms)
         row["fp4_regload_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
-                                                               num_stages=0))
+                                                               options=DecodeOptions(num_stages=0)))
         pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers).programs_per_sm()
         for stages in (None, 0):  # the ring (fp4_ms) and loads into registers (fp4_regload_ms)
             note_gluon_resources(results, decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers,
@@ -314,10 +315,10 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
         row["fp4_num_splits"] = num_splits_for(batch, hk, ctx, DEV, GLUON_TILE, pps, fp4_rule=True)
         # the Triton fp4 kernel (the default before decode_fp4_gluon) on the same pages
         row["fp4_triton_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
-                                                              fp4_kernel=True))
+                                                              options=DecodeOptions(kernel="fp4")))
         # the generic kernel on the same pages (the fp4 path before _decode_fp4_kernel)
         row["fp4_generic_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
-                                                               fp4_kernel=False))
+                                                               options=DecodeOptions(kernel="generic")))
         if model == "8B" and ctx == 1024 and batch == 1:
             results["launch_overhead_us"] = {
                 "decode_fp4_host_us_per_call": host_us(
@@ -331,7 +332,7 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
 
             for name, kw in variants.items():
                 row[f"fp4_{name}_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
-                                                                       FORMATS, **kw))
+                                                                       FORMATS, options=DecodeOptions(**kw)))
                 if name.startswith("gluon_"):
                     note_gluon_resources(results, decode_fp4_gluon.Launch(
                         q, kp, vp, table, sl, 1.0, FORMATS[0].outliers, kw.get("maxnreg"), kw.get("num_stages")))
@@ -378,8 +379,8 @@ TUNE_VARIANTS = {  # the fp4 default: the Gluon kernel, 16-token warp tiles; the
     "gluon_stages8": {"num_stages": 8},
     "gluon_regs96": {"maxnreg": 96},
     "gluon_regs112": {"maxnreg": 112},
-    "triton_regs_uncapped": {"fp4_kernel": True, "maxnreg": 0},
-    "triton_stages2": {"fp4_kernel": True, "num_stages": 2},
+    "triton_regs_uncapped": {"kernel": "fp4", "maxnreg": 0},
+    "triton_stages2": {"kernel": "fp4", "num_stages": 2},
     "triton_precise": {"precise_pv": True},
 }
 

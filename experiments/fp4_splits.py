@@ -32,7 +32,7 @@ from bench import kernel_timings as K  # noqa: E402 (bench/kernel_timings.py: ca
 
 from app.kernels import decode_fp4_gluon  # noqa: E402
 from app.kernels.decode_attention import (  # noqa: E402
-    MIN_SPLIT_TOKENS, _num_sms, decode_attention, most_splits, num_splits_for, split_plan)
+    MIN_SPLIT_TOKENS, DecodeOptions, _num_sms, decode_attention, most_splits, num_splits_for, split_plan)
 
 
 def whole_wave_splits(pairs: int, seq_len: int, block_n: int, programs_per_sm: int, sms: int) -> int:
@@ -100,7 +100,7 @@ def main() -> None:
         for _ in range(2):
             for name, s in (("old", old), ("new", new)):
                 times[name].append(K.bench(lambda: decode_attention(q, *pages, table, sl, scale, ctx, K.FORMATS,
-                                                                    num_splits=s)))
+                                                                    options=DecodeOptions(num_splits=s))))
         o, n, sdpa = min(times["old"]), min(times["new"]), row["sdpa_ms"]
         print(f"{head} {o:.4f} | {new} | {n:.4f} | {o / n:.3f}x | {sdpa / o:.2f}x | {sdpa / n:.2f}x |", flush=True)
 
@@ -123,7 +123,8 @@ def planned(args) -> None:
             for _ in range(2):
                 for s in (old, new):
                     times[s] = min(times[s], K.bench(lambda: decode_attention(q, *pages, table, short, scale, ctx,
-                                                                              K.FORMATS, num_splits=s)))
+                                                                              K.FORMATS,
+                                                                              options=DecodeOptions(num_splits=s))))
             cells.append(f"{times[old]:.4f}, {times[old] / times[new]:.3f}x")
         print(f"| {row['model']} | {ctx // 1024}k | {row['batch']} | {old} / {new} | " + " | ".join(cells) + " |",
               flush=True)
@@ -151,8 +152,9 @@ def sweep(args) -> None:
         times = {c: float("inf") for c in counts}
         for _ in range(2):
             for c in counts:
-                times[c] = min(times[c], K.bench(lambda: decode_attention(q, *pages, table, sl, scale, ctx, K.FORMATS,
-                                                                          num_splits=c)))
+                times[c] = min(times[c], K.bench(lambda: decode_attention(q, *pages, table, sl, scale, ctx,
+                                                                          K.FORMATS,
+                                                                          options=DecodeOptions(num_splits=c))))
         best = min(times, key=times.get)
         rule_n = split_plan(ctx, rule, K.GLUON_TILE)[1]
         row.update(programs_per_sm=pps, rule_splits=rule_n, rule_splits_by_programs_per_sm=by_pps, best_splits=best,

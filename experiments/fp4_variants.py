@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from app.kernels import decode_fp4_gluon  # noqa: E402
 from app.kernels.attention_ref import decode_attention_ref  # noqa: E402
-from app.kernels.decode_attention import _merge_splits, _split_buffers, decode_attention, num_splits_for  # noqa: E402
+from app.kernels.decode_attention import (  # noqa: E402
+    DecodeOptions, _merge_splits, _split_buffers, decode_attention, num_splits_for)
 from app.kernels.fp4 import FP4Format  # noqa: E402
 from bench.kernel_timings import (DEV, FORMATS, FP4_BYTES, GLUON_TILE, MODELS, bench,  # noqa: E402
                            copy_bandwidth, decode_cases, random_fp4_pages, run_info)
@@ -61,13 +62,15 @@ def accuracy(results: dict, names) -> None:
         query = torch.randn(len(SEQ_LENS), kvh * group, 128, device="cuda").bfloat16()
         lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
         ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
-        tri = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, fp4_kernel=True)
+        tri = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
+                               options=DecodeOptions(kernel="fp4"))
         row = {"kv_heads": kvh, "group": group, "key_outliers": ko, "num_splits": ns, "stages": st, "v_mult": vm}
         for name in names:
             try:
                 out = torch.full_like(query, float("nan"))
-                decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
-                                 num_splits=ns, out=out, gluon=True, num_stages=st, fp16=VARIANTS[name])
+                decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, out=out,
+                                 options=DecodeOptions(kernel="gluon", num_splits=ns, num_stages=st,
+                                                       fp16=VARIANTS[name]))
                 row[f"{name}_vs_ref"] = worst_rel_err(out, ref)
                 row[f"{name}_vs_triton"] = worst_rel_err(out, tri)
             except Exception as e:  # noqa: BLE001 - recorded, the run goes on
@@ -84,7 +87,7 @@ def decode(results: dict, copy_bw: float, contexts, batches, names, save=lambda:
         kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
         for name in names:
             row[f"{name}_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
-                                                               fp16=VARIANTS[name]))
+                                                               options=DecodeOptions(fp16=VARIANTS[name])))
             launch = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers, fp16=VARIANTS[name])
             c = launch.constexprs
             registers[str((c["GROUP"], c["K_KO"], None, c["STAGES"], c["F16"]))] = launch.resources()[0]
@@ -95,7 +98,8 @@ def decode(results: dict, copy_bw: float, contexts, batches, names, save=lambda:
         if batch == 1 and ctx == 32768:
             for ns in (32, 64, 128):
                 row[f"default_splits{ns}_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
-                                                                               FORMATS, num_splits=ns))
+                                                                               FORMATS,
+                                                                               options=DecodeOptions(num_splits=ns)))
             # the default's kernel and its split merge, apart
             launch = decode_fp4_gluon.Launch(q, kp, vp, table, sl, scale * 1.4426950408889634,
                                              FORMATS[0].outliers)

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from app.kernels import fp8  # noqa: E402
-from app.kernels.decode_attention import decode_attention, num_splits_for  # noqa: E402
+from app.kernels.decode_attention import DecodeOptions, decode_attention, num_splits_for  # noqa: E402
 from bench.kernel_timings import BLOCK, FORMATS, HEAD_DIM, bench, copy_bandwidth, random_fp4_pages, shuffled_tables  # noqa: E402,E501
 
 DEV = torch.device("cuda")
@@ -35,21 +35,23 @@ for model, hq, hk, ctx, batch in cases:
     row["bf16"] = bench(lambda: decode_attention(q, kp, vp, table, sl, sc, ctx))
     k8, v8 = fp8.fp8_quantize(kp), fp8.fp8_quantize(vp)
     del kp, vp
-    ref = decode_attention(q, k8, v8, table, sl, sc, ctx, fp8_kernel=False)
-    row["fp8_generic"] = bench(lambda: decode_attention(q, k8, v8, table, sl, sc, ctx, fp8_kernel=False))
+    ref = decode_attention(q, k8, v8, table, sl, sc, ctx, options=DecodeOptions(kernel="generic"))
+    row["fp8_generic"] = bench(lambda: decode_attention(q, k8, v8, table, sl, sc, ctx,
+                                                        options=DecodeOptions(kernel="generic")))
     variants = [tuple(int(x) for x in v.split(",")) for v in os.environ.get("SWEEP", "64,2,2;128,2,2;64,2,4").split(";")]
     for bn, st, pps in variants:
         ns = num_splits_for(batch, hk, ctx, DEV, bn, pps)
         name = f"fp8_bn{bn}_st{st}_pps{pps}"
         try:
-            o = decode_attention(q, k8, v8, table, sl, sc, ctx, block_n=bn, num_stages=st, num_splits=ns)
+            o = decode_attention(q, k8, v8, table, sl, sc, ctx,
+                                 options=DecodeOptions(block_n=bn, num_stages=st, num_splits=ns))
         except Exception as e:  # a variant that does not compile or fit: recorded, the sweep goes on
             row[name] = repr(e)[:100]
             continue
         err = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
         row["max_err_vs_generic"] = max(row.get("max_err_vs_generic", 0.0), err)
-        row[name] = bench(lambda: decode_attention(q, k8, v8, table, sl, sc, ctx, block_n=bn, num_stages=st,
-                                                   num_splits=ns))
+        row[name] = bench(lambda: decode_attention(q, k8, v8, table, sl, sc, ctx,
+                                                   options=DecodeOptions(block_n=bn, num_stages=st, num_splits=ns)))
     del k8, v8
     kf, vf = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
     row["fp4"] = bench(lambda: decode_attention(q, kf, vf, table, sl, sc, ctx, FORMATS))

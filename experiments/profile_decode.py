@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app.kernels.decode_attention import decode_attention  # noqa: E402
+from app.kernels.decode_attention import DecodeOptions, decode_attention  # noqa: E402
 from bench.kernel_timings import DEV, FORMATS, HEAD_DIM, MODELS, random_fp4_pages, shuffled_tables  # noqa: E402
 
 
@@ -42,9 +42,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=4)
     args = ap.parse_args()
     q, kp, vp, table, sl = profile_case(args.model, args.ctx, args.batch)
-    kw = {"fp4_kernel": True} if args.kernel == "triton" else {"gluon": True}
+    options = DecodeOptions(kernel="fp4" if args.kernel == "triton" else "gluon")
     for _ in range(args.calls):
-        decode_attention(q, kp, vp, table, sl, HEAD_DIM ** -0.5, args.ctx, FORMATS, **kw)
+        decode_attention(q, kp, vp, table, sl, HEAD_DIM ** -0.5, args.ctx, FORMATS, options=options)
     torch.cuda.synchronize()
 
 

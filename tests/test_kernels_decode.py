@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.kernels.attention_ref import decode_attention_ref
-from app.kernels.decode_attention import FP4_SPLIT_TOKENS, decode_attention, fp4_splits, split_cost
+from app.kernels.decode_attention import FP4_SPLIT_TOKENS, DecodeOptions, decode_attention, fp4_splits, split_cost
 from app.kernels import paged
 from kernels_testing import block_tables, random_pages, rel_err
 
@@ -44,7 +44,7 @@ def _run(name, seq_lens, num_kv_heads, group, head_dim, block_size, seed=0, bloc
     scale = head_dim ** -0.5
     out = torch.full_like(query, float("nan"))
     decode_attention(query, k_pages, v_pages, table, lens, scale, plan or max(seq_lens), formats, out=out,
-                     block_n=block_n, **kw)
+                     options=DecodeOptions(block_n=block_n, **kw))
     ref = decode_attention_ref(query, k_pages, v_pages, table, lens, scale, formats)
     return out, ref
 
@@ -59,7 +59,7 @@ def test_decode_matches_reference(name, shape, seq_lens):
 def test_fp4_kernel_at_head_dim_64_matches_reference(name, shape, seq_lens):
     """At head_dim 64 the launcher picks the generic kernel (faster there); forced, the fp4 kernel
     is still right (block size 1, GQA 1 and 8, value outliers)."""
-    out, ref = _run(name, seq_lens, *shape, num_splits=3, fp4_kernel=True)
+    out, ref = _run(name, seq_lens, *shape, num_splits=3, kernel="fp4")
     assert rel_err(out, ref) < 1e-2
 
 
@@ -118,7 +118,7 @@ def test_fp8_kernel_agrees_with_the_generic_kernel():
     import app.kernels.decode_attention as da
 
     fp8, ref = _run("fp8", seq_lens, 2, 4, 128, 16, num_splits=7, block_n=None)
-    generic, _ = _run("fp8", seq_lens, 2, 4, 128, 16, num_splits=7, fp8_kernel=False)
+    generic, _ = _run("fp8", seq_lens, 2, 4, 128, 16, num_splits=7, kernel="generic")
     assert rel_err(fp8, generic) < 4e-3 and rel_err(fp8, ref) < 1e-2
     assert da.FP8_BLOCK_N >= 16
 
@@ -156,7 +156,7 @@ def test_fp8_kernel_at_extreme_magnitudes(device, num_splits):
     move = lambda t: tuple(x.to(dev) for x in t)  # noqa: E731
     out = torch.full((len(seq_lens), kv_heads * group, d), float("nan"), dtype=torch.bfloat16, device=dev)
     decode_attention(q.bfloat16().to(dev), move(k_pages), move(v_pages), table.to(dev), lens.to(dev), d ** -0.5,
-                     max(seq_lens), num_splits=num_splits, out=out)
+                     max(seq_lens), out=out, options=DecodeOptions(num_splits=num_splits))
     # per sequence: each one's outputs have their own magnitude (its values' scales)
     for i in range(len(seq_lens)):
         assert rel_err(out[i].cpu(), ref[i]) < 1e-2, i
@@ -214,7 +214,7 @@ def test_fp4_kernel_agrees_with_the_generic_kernel():
     another way (nibbles interleaved, PV untransposed, outliers over padded rows)."""
     seq_lens = [1, 17, 300]
     fp4, ref = _run("fp4", seq_lens, 2, 4, 128, 16, num_splits=3)
-    generic, _ = _run("fp4", seq_lens, 2, 4, 128, 16, num_splits=3, fp4_kernel=False)
+    generic, _ = _run("fp4", seq_lens, 2, 4, 128, 16, num_splits=3, kernel="generic")
     assert rel_err(fp4, generic) < 4e-3 and rel_err(fp4, ref) < 1e-2
 
 

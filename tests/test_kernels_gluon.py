@@ -21,7 +21,7 @@ import triton
 
 from app.kernels import decode_fp4_gluon, paged
 from app.kernels.attention_ref import decode_attention_ref
-from app.kernels.decode_attention import decode_attention
+from app.kernels.decode_attention import DecodeOptions, decode_attention
 from app.kernels.fp4 import FP4Format
 from kernels_testing import DEFAULT_FP4, cuda_fp4_pages
 
@@ -240,11 +240,12 @@ def test_matches_reference_on_gpu(kv_heads, group, key_outliers, num_splits, sta
     assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) is None
     lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
     out = torch.full_like(query, float("nan"))
-    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, num_splits=num_splits,
-                     out=out, gluon=True, num_stages=stages)
+    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, out=out,
+                     options=DecodeOptions(kernel="gluon", num_splits=num_splits, num_stages=stages))
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
     assert _worst_rel_err(out, ref) < 1e-2
-    triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, fp4_kernel=True)
+    triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
+                                  options=DecodeOptions(kernel="fp4"))
     assert _worst_rel_err(out, triton_out) < 1e-2
 
 
@@ -262,18 +263,20 @@ def test_key_groups_of_8_match_reference_on_gpu(kv_heads, group, num_splits):
     assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) is None
     lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
     out = torch.full_like(query, float("nan"))
-    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, num_splits=num_splits,
-                     out=out, gluon=True)
+    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, out=out,
+                     options=DecodeOptions(kernel="gluon", num_splits=num_splits))
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
     assert _worst_rel_err(out, ref) < 1e-2
-    triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, fp4_kernel=True)
+    triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
+                                  options=DecodeOptions(kernel="fp4"))
     assert _worst_rel_err(out, triton_out) < 1e-2
     if num_splits is None and group == 4:  # loads into registers: the Triton kernel runs them, or Gluon says why
-        stage0 = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, num_stages=0)
+        stage0 = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
+                                  options=DecodeOptions(num_stages=0))
         assert _worst_rel_err(stage0, ref) < 1e-2
         with pytest.raises(ValueError, match="cannot run this decode: key groups of 8 run on the cp.async ring"):
-            decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, gluon=True,
-                             num_stages=0)
+            decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
+                             options=DecodeOptions(kernel="gluon", num_stages=0))
 
 
 @on_gpu
@@ -309,8 +312,9 @@ def test_key_groups_of_8_other_builds_on_gpu(monkeypatch, stages, fp16, off64):
         ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
         for num_splits in (1, 7):
             out = torch.full_like(query, float("nan"))
-            decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, gluon=True,
-                             num_splits=num_splits, num_stages=stages, fp16=fp16, out=out)
+            decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, out=out,
+                             options=DecodeOptions(kernel="gluon", num_splits=num_splits, num_stages=stages,
+                                                   fp16=fp16))
             assert _worst_rel_err(out, ref) < 1e-2, (kv_heads, group, num_splits)
     assert [(g, n) for g, n, _ in seen] == [(4, 1), (4, 7), (8, 1), (8, 7)], seen
     for group, num_splits, c in seen:
@@ -332,8 +336,8 @@ def test_ring_whole_tile_counts_on_gpu(stages, kv_heads, group):
     query = torch.randn(len(seq_lens), kv_heads * group, 128, device="cuda").bfloat16()
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     out = torch.full_like(query, float("nan"))
-    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), DEFAULT_FP4, num_splits=1, out=out,
-                     gluon=True, num_stages=stages)
+    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), DEFAULT_FP4, out=out,
+                     options=DecodeOptions(kernel="gluon", num_splits=1, num_stages=stages))
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
     assert _worst_rel_err(out, ref) < 1e-2
 
@@ -360,8 +364,8 @@ def test_tile_pairs_on_gpu(num_splits, kv_heads, group, fp16):
                     "runs single tiles")
     assert launch.constexprs["PAIR"] == 1 and launch.constexprs["maxnreg"] == decode_fp4_gluon.PAIR_MAXNREG
     out = torch.full_like(query, float("nan"))
-    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), DEFAULT_FP4, num_splits=num_splits,
-                     out=out, gluon=True, pair=1, fp16=fp16)
+    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), DEFAULT_FP4, out=out,
+                     options=DecodeOptions(kernel="gluon", num_splits=num_splits, pair=1, fp16=fp16))
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
     assert _worst_rel_err(out, ref) < 1e-2
 
@@ -387,10 +391,10 @@ def test_a_short_sequence_gives_the_same_result_in_either_build_on_gpu(monkeypat
     table, kp, vp = cuda_fp4_pages([long_len] + short, 8, 16, DEFAULT_FP4, seed=11)
     query = torch.randn(1 + len(short), 32, 128, device="cuda").bfloat16()
     lens = torch.tensor([long_len] + short, dtype=torch.int32, device="cuda")
-    both = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, long_len, DEFAULT_FP4, num_splits=1,
-                            gluon=True)
+    both = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, long_len, DEFAULT_FP4,
+                            options=DecodeOptions(kernel="gluon", num_splits=1))
     alone = decode_attention(query[1:], kp, vp, table[1:], lens[1:], 128 ** -0.5, max(short), DEFAULT_FP4,
-                             num_splits=1, gluon=True)
+                             options=DecodeOptions(kernel="gluon", num_splits=1))
     if builds[0] == 0:
         pytest.skip("the paired kernel spills with this Triton: the launcher runs single tiles")
     assert builds == [pair, 0]  # the paired build, then the single-tile one
@@ -425,8 +429,8 @@ def test_the_querys_vector_loads_give_the_two_byte_loads_result_on_gpu(monkeypat
             outs = []
             for qvec in (True, False):
                 out = torch.full_like(query, float("nan"))
-                decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), formats, gluon=True,
-                                 num_splits=num_splits, out=out)
+                decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), formats, out=out,
+                                 options=DecodeOptions(kernel="gluon", num_splits=num_splits))
                 assert built[-1]["QVEC"] == qvec
                 outs.append(out)
             assert torch.equal(outs[0], outs[1]), (key_outliers, num_splits)
@@ -478,8 +482,8 @@ def test_a_sequence_shorter_than_the_plan_spreads_over_its_splits_on_gpu(stages,
     query = torch.randn(len(seq_lens), 8, 128, device="cuda").bfloat16()
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     out = torch.full_like(query, float("nan"))
-    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, 8192, DEFAULT_FP4, num_splits=4, out=out, gluon=True,
-                     num_stages=stages)
+    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, 8192, DEFAULT_FP4, out=out,
+                     options=DecodeOptions(kernel="gluon", num_splits=4, num_stages=stages))
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
     assert _worst_rel_err(out, ref) < 1e-2
     (lse,) = seen  # [sequences, heads, splits]
@@ -502,10 +506,11 @@ def test_code_maps_match_reference_on_gpu(fp16, kv_heads, group, stages):
         lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
         ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
         triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), DEFAULT_FP4,
-                                      fp4_kernel=True)
+                                      options=DecodeOptions(kernel="fp4"))
         for num_splits in (None, 7):
             out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), DEFAULT_FP4,
-                                   num_splits=num_splits, gluon=True, num_stages=stages, fp16=fp16)
+                                   options=DecodeOptions(kernel="gluon", num_splits=num_splits, num_stages=stages,
+                                                         fp16=fp16))
             assert _worst_rel_err(out, ref) < 1e-2, (v_mult, num_splits)
             assert _worst_rel_err(out, triton_out) < 1e-2, (v_mult, num_splits)
 
@@ -523,8 +528,10 @@ def test_default_route_is_gluon_with_engine_inputs_on_gpu():
     for dtype in (torch.bfloat16, torch.float16):
         query = torch.randn(len(SEQ_LENS), 32, 128, device="cuda").to(dtype)
         default = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats)
-        forced = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, gluon=True)
-        triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, fp4_kernel=True)
+        forced = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
+                                  options=DecodeOptions(kernel="gluon"))
+        triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
+                                      options=DecodeOptions(kernel="fp4"))
         assert torch.equal(default, forced)
         assert not torch.equal(default, triton_out)
         ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
@@ -547,8 +554,9 @@ def test_default_is_the_ring_on_gpu():
         query = torch.randn(len(lens), kv_heads * group, 128, device="cuda", generator=gen).bfloat16()
         sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
         default, ring, registers = (
-            decode_attention(query, kp, vp, table, sl, 128 ** -0.5, max(lens), DEFAULT_FP4, num_splits=1,
-                             num_stages=st) for st in (None, decode_fp4_gluon.STAGES, 0))
+            decode_attention(query, kp, vp, table, sl, 128 ** -0.5, max(lens), DEFAULT_FP4,
+                             options=DecodeOptions(num_splits=1, num_stages=st))
+            for st in (None, decode_fp4_gluon.STAGES, 0))
         assert torch.equal(default, ring) and not torch.equal(default, registers)
         ref = decode_attention_ref(query, kp, vp, table, sl, 128 ** -0.5, DEFAULT_FP4)
         assert _worst_rel_err(registers, ref) < 1e-2 and _worst_rel_err(ring, ref) < 1e-2
@@ -568,8 +576,8 @@ def test_64_bit_offsets_on_gpu(monkeypatch):
     query = torch.randn(len(SEQ_LENS), 32, 128, device="cuda").bfloat16()
     lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
     for num_splits, stages in ((None, 0), (1, 0), (None, decode_fp4_gluon.STAGES), (1, decode_fp4_gluon.STAGES)):
-        out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), DEFAULT_FP4, gluon=True,
-                               num_splits=num_splits, num_stages=stages)
+        out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), DEFAULT_FP4,
+                               options=DecodeOptions(kernel="gluon", num_splits=num_splits, num_stages=stages))
         ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
         assert _worst_rel_err(out, ref) < 1e-2
 
@@ -583,7 +591,7 @@ def test_falls_back_outside_its_scope_on_gpu():
     assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) == "groups other than 32 (or 8 for keys)"
     lens = torch.tensor([100], device="cuda")
     with pytest.raises(ValueError, match="groups other than 32"):
-        decode_attention(query, kp, vp, table, lens, 0.1, 100, formats, gluon=True)
+        decode_attention(query, kp, vp, table, lens, 0.1, 100, formats, options=DecodeOptions(kernel="gluon"))
     out = decode_attention(query, kp, vp, table, lens, 0.1, 100, formats)
     ref = decode_attention_ref(query, kp, vp, table, lens, 0.1, formats)
     assert _worst_rel_err(out, ref) < 1e-2

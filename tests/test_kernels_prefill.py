@@ -4,7 +4,7 @@ dequantized pages, on ragged batches. Bound as for decode (tests/test_kernels_de
 import pytest
 import torch
 
-from app.kernels.decode_attention import decode_attention
+from app.kernels.decode_attention import DecodeOptions, decode_attention
 from app.kernels.attention_ref import prefill_attention_ref
 from app.kernels.prefill_attention import prefill_attention
 from kernels_testing import block_tables, random_pages, rel_err
@@ -57,7 +57,8 @@ def test_chunked_equals_one_shot():
 
 def test_single_token_rows_equal_decode():
     out, _, (query, k_pages, v_pages, table, lens, formats) = _run("fp4", [(40, 1), (126, 1), (0, 1)], 2, 4, 64, 16)
-    dec = decode_attention(query, k_pages, v_pages, table, lens, 64 ** -0.5, int(lens.max()), formats, num_splits=2)
+    dec = decode_attention(query, k_pages, v_pages, table, lens, 64 ** -0.5, int(lens.max()), formats,
+                           options=DecodeOptions(num_splits=2))
     assert rel_err(dec, out) < 4e-3
 
 

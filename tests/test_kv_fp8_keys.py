@@ -22,7 +22,7 @@ from app.engine.setting_checks import UnsupportedSettingError, check_settings, s
 from app.engine.vllm_engine import vllm_engine_args
 from app.kernels import cpu_kernels, fp4, fp8, paged
 from app.kernels.attention_ref import decode_attention_ref, dequantize_pages
-from app.kernels.decode_attention import decode_attention
+from app.kernels.decode_attention import DecodeOptions, decode_attention
 from app.kernels.store_kv import store_kv, store_kv_ref
 from bench.kv_quality import prompt_scores
 from kernels_testing import DEFAULT_FP4, block_tables, keys_like_llama, page_bits, poison, random_pages, rel_err
@@ -168,8 +168,8 @@ def test_decode_kernel_matches_reference_on_mixed_pages(num_kv_heads, group, hea
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_dim ** -0.5
     out = torch.full_like(query, float("nan"))
-    decode_attention(query, k_pages, v_pages, table, lens, scale, max(seq_lens), formats, num_splits=num_splits,
-                     out=out)
+    decode_attention(query, k_pages, v_pages, table, lens, scale, max(seq_lens), formats, out=out,
+                     options=DecodeOptions(num_splits=num_splits))
     ref = decode_attention_ref(query, k_pages, v_pages, table, lens, scale, formats)
     assert rel_err(out, ref) < 1e-2
 
@@ -181,7 +181,8 @@ def test_decode_on_mixed_pages_never_takes_the_gluon_fp4_kernel():
     k_pages, v_pages, formats = _mixed_pages(num_blocks, 16, 1, 64)
     query = torch.randn(1, 4, 64).bfloat16()
     with pytest.raises(ValueError, match="not both fp4"):
-        decode_attention(query, k_pages, v_pages, table, torch.tensor([20]), 0.125, 20, formats, gluon=True)
+        decode_attention(query, k_pages, v_pages, table, torch.tensor([20]), 0.125, 20, formats,
+                         options=DecodeOptions(kernel="gluon"))
 
 
 def test_dequantized_mixed_pages_are_each_sides_format():

@@ -23,6 +23,7 @@ bytes (experiments/kernel_sass.py counts the loop's instructions without a GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -427,6 +428,55 @@ def _cheapest_splits(pairs: int, seq_len: int, block_n: int, most: int, programs
     return next(s for s, c in enumerate(costs, 1) if c <= 1.01 * least)  # splits cost merges: the fewest
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """Choices below decode_attention's rules, for tests, benchmarks and experiments; the engine passes
+    none.
+
+    kernel: None (the rule: the Gluon kernel for fp4 K and V pages in decode_fp4_gluon's scope,
+    _decode_fp4_kernel for other fp4 pages with head_dim >= 128, _decode_fp8_kernel for fp8 K and V
+    pages, _decode_kernel for everything else), "gluon" (required: ValueError naming why it cannot
+    run), "fp4" (_decode_fp4_kernel), "fp8" (_decode_fp8_kernel) or "generic" (_decode_kernel, any
+    pages). num_splits: the split count (None: num_splits_for's rule).
+    Triton kernels only: block_n, tokens per tile (None: 128 for fp4 pages, FP8_BLOCK_N for the fp8
+    kernel, 64 otherwise, the fastest in docs/history.md); num_warps; precise_pv: the PV product from p
+    split into two bf16 terms (float32-accurate; the rule then takes _decode_fp4_kernel or
+    _decode_kernel); asm: the inline-PTX fp4 unpack (None: on CUDA; False: plain Triton, which also rules
+    out the Gluon kernel).
+    num_stages: for the Gluon kernel, 0 (loads into registers; key groups of 8 then run the Triton
+    kernel) or the tiles of its cp.async ring, a power of two >= 4 (None: decode_fp4_gluon.STAGES; other
+    values raise ValueError); for the Triton kernels, the software-pipeline depth (None: 2, and for fp4
+    pages 1 once batch x KV heads >= 8).
+    maxnreg: a register cap on CUDA (None: 128 for _decode_fp4_kernel at head_dim 128; for the Gluon
+    kernel decode_fp4_gluon.PAIR_MAXNREG (128) with tile pairs, else none; 0: none, which leaves the
+    paired Gluon kernel at 161-168 registers, 3 programs per SM).
+    Gluon kernel only: fp16, its code-to-number map, fp16 MMAs (True) or bf16 (False) (None:
+    decode_fp4_gluon.F16_DEFAULT); pair, tile pairs (two tiles per pass in the MMA's padding columns, at
+    most 4 query heads per KV head and a 4-tile ring) for splits with at least this many whole tiles, 0
+    never (None: decode_fp4_gluon.PAIR_MIN_TILES)."""
+
+    kernel: str | None = None
+    num_splits: int | None = None
+    block_n: int | None = None
+    num_warps: int = 4
+    num_stages: int | None = None
+    precise_pv: bool = False
+    asm: bool | None = None
+    maxnreg: int | None = None
+    fp16: bool | None = None
+    pair: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernel not in (None, "gluon", "fp4", "fp8", "generic"):
+            raise ValueError(f"DecodeOptions.kernel must be None, 'gluon', 'fp4', 'fp8' or 'generic' "
+                             f"(got {self.kernel!r})")
+        if self.precise_pv and self.kernel in ("gluon", "fp8"):
+            raise ValueError(f"precise_pv runs the Triton fp4 or generic kernel, not {self.kernel!r}")
+
+
+_RULE = DecodeOptions()
+
+
 def decode_attention(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim] bf16/fp16: one new token per sequence
     k_pages, v_pages,  # one layer's pages (paged.py): Tensor | (values, scale) | FP4Tensor
@@ -435,54 +485,15 @@ def decode_attention(
     scale: float,
     max_seq_len: int,  # max(seq_lens) as a Python int (sizes the splits without a device sync)
     formats: tuple[FP4Format | None, FP4Format | None] = (None, None),
-    num_splits: int | None = None,
-    block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int | None = None,
-    precise_pv: bool = False,
-    asm: bool | None = None,
-    out: torch.Tensor | None = None,
-    maxnreg: int | None = None,
-    fp4_kernel: bool | None = None,
-    fp8_kernel: bool | None = None,
-    gluon: bool | None = None,
-    fp16: bool | None = None,
-    pair: int | None = None,
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim] contiguous, the query's dtype
+    options: DecodeOptions | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] query dtype
-    """Launcher. Which kernel: fp4 K and V pages in decode_fp4_gluon's scope (the engine's default fp4
-    cache on CUDA: `decode_fp4_gluon.unsupported` lists it) run the Gluon kernel; other fp4 pages
-    with head_dim >= 128 run _decode_fp4_kernel; fp8 K and V pages run _decode_fp8_kernel; every other
-    combination runs _decode_kernel.
-    gluon: True requires the Gluon kernel (ValueError naming why it cannot run), False never uses
-    it; fp4_kernel: True/False forces fp4 pages through _decode_fp4_kernel/_decode_kernel (tests and
-    the benchmark's baselines); fp8_kernel=False runs fp8 pages through _decode_kernel (likewise);
-    precise_pv and asm=False exist only in the Triton kernels and select
-    them (precise_pv: _decode_kernel, also for fp8 pages). num_stages: for the Gluon kernel, 0 (loads into registers; key groups of 8 then run the Triton
-    kernel) or the tiles of its cp.async ring, a power of two >= 4 (None: decode_fp4_gluon.STAGES; other
-    values raise ValueError); for
-    the Triton kernels, the software-pipeline depth (None: 2, and for fp4 pages 1 once batch x KV
-    heads >= 8). Triton
-    kernels only: block_n: tokens per tile (None: 128 for fp4 pages, FP8_BLOCK_N for the fp8 kernel, 64
-    otherwise, the fastest in docs/history.md); num_warps; precise_pv: the PV product from p split into two bf16
-    terms (float32-accurate); asm: the inline-PTX fp4 unpack (None: on CUDA), else plain Triton.
-    maxnreg: a register cap on CUDA (None: 128 for _decode_fp4_kernel at head_dim 128; for the Gluon
-    kernel decode_fp4_gluon.PAIR_MAXNREG (128) with tile pairs, else none; 0: none, which leaves the
-    paired Gluon kernel at 161-168 registers, 3 programs per SM). fp16, Gluon kernel only: its
-    code-to-number map, fp16 MMAs (True) or bf16 (False) (None: decode_fp4_gluon.F16_DEFAULT, fp16). pair, Gluon kernel only: tile pairs (two tiles per
-    pass in the MMA's padding columns, at most 4 query heads per KV head and a 4-tile ring) for splits
-    with at least this many whole tiles, 0 never (None: decode_fp4_gluon.PAIR_MIN_TILES)."""
+    """Attention of each sequence's new token over its cached tokens. The kernel, its build and the
+    split count follow rules (DecodeOptions says which; `options` pins them for tests and benchmarks)."""
+    o = options or _RULE
+    kernel, num_splits, block_n, num_warps, num_stages = o.kernel, o.num_splits, o.block_n, o.num_warps, o.num_stages
+    precise_pv, asm, maxnreg = o.precise_pv, o.asm, o.maxnreg
     num_seqs, num_heads, head_dim = query.shape
-    # The fp4 kernel where it measured faster (docs/history.md): head_dim 128, capped at 128
-    # registers, and 256, uncapped (capped it spills); at 64 the generic kernel was 1.2-1.6x faster.
-    fp4_pages = paged.page_kind(k_pages) == paged.page_kind(v_pages) == paged.FP4
-    both_fp4 = fp4_pages and (fp4_kernel or (fp4_kernel is None and head_dim >= 128))
-    cap = (128 if head_dim == 128 else 0) if maxnreg is None else maxnreg
-    capped = both_fp4 and cap > 0 and not paged.interpreting()
-    both_fp8 = (paged.page_kind(k_pages) == paged.page_kind(v_pages) == paged.FP8 and fp8_kernel is not False
-                and not precise_pv)
-    if block_n is None:
-        block_n = 128 if paged.FP4 in (paged.page_kind(k_pages), paged.page_kind(v_pages)) else (
-            FP8_BLOCK_N if both_fp8 else 64)
     _, bs, num_kv_heads, d_k = paged.check_pages(k_pages, formats[0], "k_pages")
     _, bs_v, num_kv_heads_v, d_v = paged.check_pages(v_pages, formats[1], "v_pages")
     assert (bs, num_kv_heads, d_k) == (bs_v, num_kv_heads_v, d_v) == (bs, num_kv_heads, head_dim), (
@@ -494,18 +505,33 @@ def decode_attention(
     assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}"
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.stride(-1) == 1
     assert block_tables.dtype in (torch.int32, torch.int64) and seq_lens.shape == (num_seqs,)
+    kinds = (paged.page_kind(k_pages), paged.page_kind(v_pages))
+    fp4_pages, fp8_pages = kinds == (paged.FP4, paged.FP4), kinds == (paged.FP8, paged.FP8)
+    if kernel in (None, "gluon"):
+        why = "K and V pages are not both fp4"
+        if precise_pv:
+            why = "precise_pv runs a Triton kernel"
+        elif fp4_pages:
+            why = decode_fp4_gluon.unsupported(query, k_pages, v_pages, formats, bs, num_stages)
+            if why is None and asm is False:
+                why = "asm=False asks for the plain-Triton unpack"
+        if kernel == "gluon" and why is not None:
+            raise ValueError(f"the Gluon fp4 kernel cannot run this decode: {why}")
+        if why is None:
+            return _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats,
+                                 num_splits, out, maxnreg, num_stages, o.fp16, o.pair)
+        # The fp4 kernel where it measured faster (docs/history.md): head_dim 128, capped at 128
+        # registers, and 256, uncapped (capped it spills); at 64 the generic kernel was 1.2-1.6x faster.
+        kernel = "fp4" if fp4_pages and head_dim >= 128 else "fp8" if fp8_pages and not precise_pv else "generic"
+    if (kernel == "fp4" and not fp4_pages) or (kernel == "fp8" and not fp8_pages):
+        raise ValueError(f"the {kernel} kernel reads {kernel} K and V pages (got page kinds {kinds})")
+    both_fp4, both_fp8 = kernel == "fp4", kernel == "fp8"
+    cap = (128 if head_dim == 128 else 0) if maxnreg is None else maxnreg
+    capped = both_fp4 and cap > 0 and not paged.interpreting()
+    if block_n is None:
+        block_n = 128 if paged.FP4 in kinds else (FP8_BLOCK_N if both_fp8 else 64)
     assert paged.is_pow2(block_n) and block_n >= 16, f"block_n must be a power of two >= 16 (got {block_n})"
     group = num_heads // num_kv_heads
-    why = "K and V pages are not both fp4"
-    if fp4_pages:
-        why = decode_fp4_gluon.unsupported(query, k_pages, v_pages, formats, bs, num_stages)
-        if why is None and (fp4_kernel is not None or precise_pv or asm is False):
-            why = "a Triton kernel was asked for (fp4_kernel, precise_pv or asm=False)"
-    if gluon and why is not None:
-        raise ValueError(f"the Gluon fp4 kernel cannot run this decode: {why}")
-    if gluon is not False and why is None:
-        return _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats,
-                             num_splits, out, maxnreg, num_stages, fp16, pair)
     if num_splits is None:
         per_sm = max(1, 65536 // (cap * 32 * num_warps)) if capped else FP8_PROGRAMS_PER_SM if both_fp8 else 2
         num_splits = num_splits_for(num_seqs, num_kv_heads, max_seq_len, query.device, block_n, per_sm,
@@ -563,7 +589,8 @@ def warm_builds(num_heads: int, k_pages, v_pages, formats: tuple[FP4Format | Non
         tables = torch.zeros(num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         lens = torch.ones(num_seqs, dtype=torch.int32, device=device)
         for max_seq_len, num_splits in ((1, 1), (2 * tile, 2), (long, 1), (long, 2)):
-            decode_attention(query, k_pages, v_pages, tables, lens, 1.0, max_seq_len, formats, num_splits=num_splits)
+            decode_attention(query, k_pages, v_pages, tables, lens, 1.0, max_seq_len, formats,
+                             options=DecodeOptions(num_splits=num_splits))
             launches += 1
     out = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     for splits in (2 ** i for i in range(1, 9)):
