@@ -233,3 +233,16 @@ def test_a_sequence_shorter_than_the_plan_spreads_over_its_splits(name, monkeypa
     assert rel_err(out, ref) < 1e-2
     (lse,) = seen  # [sequences, heads, splits]
     assert lse.isfinite().sum(-1).tolist() == [[3] * 4, [1] * 4]
+
+
+def test_decode_options_refuse_what_no_kernel_runs():
+    """DecodeOptions (what tests and benchmarks pin below the rules) refuses an unknown kernel and
+    precise_pv on a kernel without it; a kernel named for pages it does not read is a ValueError."""
+    with pytest.raises(ValueError, match="must be None, 'gluon', 'fp4', 'fp8' or 'generic'"):
+        DecodeOptions(kernel="triton")
+    with pytest.raises(ValueError, match="precise_pv runs the Triton fp4 or generic kernel"):
+        DecodeOptions(kernel="fp8", precise_pv=True)
+    with pytest.raises(ValueError, match="the fp8 kernel reads fp8 K and V pages"):
+        _run("fp4", [17, 40], 1, 4, 64, 16, kernel="fp8")
+    with pytest.raises(ValueError, match="the Gluon fp4 kernel cannot run this decode"):
+        _run("fp8", [17, 40], 1, 4, 64, 16, kernel="gluon")
