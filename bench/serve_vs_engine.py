@@ -21,7 +21,10 @@ every path generates exactly its max_tokens.
   requests (counter deltas).
 
 Each path draws its own token ids (same shapes), so no path finds another's prompts in the prefix
-cache. "vs engine" is the path's output tok/s over the engine's on the same workload.
+cache. "vs engine" is the path's output tok/s over the engine's on the same workload. With --repeats N
+each workload runs N times per path, each time with new token ids: the run of median wall time is
+reported, with the range of all N (one run on a GPU machine moved some ratios by up to 0.27x from
+another's).
 
 GPU (one H100/H200; Ray from the offline bundle, see the README "On a GPU"):
 
@@ -90,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="time each path's first requests too (default: every workload once small and untimed first)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs of each workload per path (fresh prompts each): the run of median wall time is "
+                        "reported, with every run's wall time")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
@@ -229,7 +235,7 @@ async def warm_up(path: str, args: argparse.Namespace, vocab_size: int, send, se
     start = time.perf_counter()
     before = await counters() if counters else None
     small = argparse.Namespace(**{
-        **vars(args), "warmup": False, "seed": f"{args.seed}-warmup",
+        **vars(args), "warmup": False, "repeats": 1, "seed": f"{args.seed}-warmup",
         "shapes": [(n, length, min(out, 8)) for n, length, out in args.shapes],
         "sessions": min(args.sessions, 2), "turns": min(args.turns, 2), "session_reply": min(args.session_reply, 8)})
     await run_workloads(path, small, vocab_size, send, send_batch, kinds)
@@ -253,30 +259,41 @@ async def run_workloads(path: str, args: argparse.Namespace, vocab_size: int, se
     for name, kind, shape in workloads(args):
         if kind not in kinds:
             continue
-        seed = f"{args.seed}-{path}-{name}"
-        print(f"[{path}] {name} ...", flush=True)
-        before = await counters() if counters else None
-        if kind == "throughput":
-            prompts, max_tokens = throughput_prompts(shape, vocab_size, seed), shape[2]
-            start = time.perf_counter()
-            if send_batch is not None:
-                streams = send_batch(prompts, max_tokens)
+        runs = []
+        for rep in range(args.repeats):  # fresh prompts each time: no repeat hits the last one's cache
+            seed = f"{args.seed}-{path}-{name}" + (f"-r{rep}" if rep else "")
+            print(f"[{path}] {name}{f' (run {rep + 1} of {args.repeats})' if args.repeats > 1 else ''} ...",
+                  flush=True)
+            before = await counters() if counters else None
+            if kind == "throughput":
+                prompts, max_tokens = throughput_prompts(shape, vocab_size, seed), shape[2]
+                start = time.perf_counter()
+                if send_batch is not None:
+                    streams = send_batch(prompts, max_tokens)
+                else:
+                    streams = await asyncio.gather(*(send(p, max_tokens, False) for p in prompts))
+                run = row(path, name, streams, max_tokens, time.perf_counter() - start, len(prompts))
             else:
-                streams = await asyncio.gather(*(send(p, max_tokens, False) for p in prompts))
-            rows.append(row(path, name, streams, max_tokens, time.perf_counter() - start, len(prompts)))
-        else:
-            sessions = session_prompts(args, vocab_size, seed)
-            start = time.perf_counter()
-            streams = await run_sessions(sessions, args.session_reply, lambda p, m: send(p, m, True))
-            rows.append(row(path, name, streams, args.session_reply, time.perf_counter() - start,
-                            args.sessions * args.turns))
+                sessions = session_prompts(args, vocab_size, seed)
+                start = time.perf_counter()
+                streams = await run_sessions(sessions, args.session_reply, lambda p, m: send(p, m, True))
+                run = row(path, name, streams, args.session_reply, time.perf_counter() - start,
+                          args.sessions * args.turns)
+            if counters:
+                after = await counters()
+                run.update(compile_deltas(before, after))
+                if kind == "sessions":
+                    run.update(ttft_means(before, after))
+            compiled = f", {run['kernel_compiles']} kernel compiles" if counters else ""
+            print(f"[{path}] {name}: {run['wall_s']:.2f} s{compiled}", flush=True)
+            runs.append(run)
+        # the run of median wall time stands for the workload; every run's wall time is kept
+        chosen = dict(sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2])
+        chosen["wall_s_runs"] = [r["wall_s"] for r in runs]
         if counters:
-            after = await counters()
-            rows[-1].update(compile_deltas(before, after))
-            if kind == "sessions":
-                rows[-1].update(ttft_means(before, after))
-        compiled = f", {rows[-1]['kernel_compiles']} kernel compiles" if counters else ""
-        print(f"[{path}] {name}: {rows[-1]['wall_s']:.2f} s{compiled}", flush=True)
+            chosen["kernel_compiles"] = sum(r["kernel_compiles"] for r in runs)
+            chosen["kernel_compile_s"] = sum(r["kernel_compile_s"] for r in runs)
+        rows.append(chosen)
     return rows
 
 
@@ -451,7 +468,7 @@ def _ms(value: float | None) -> str:
 
 
 def to_markdown(rows: list[dict]) -> str:
-    lines = ["| workload | path | answered | output tokens | wall s | output tok/s | vs engine | TTFT p50 / p99 ms "
+    lines = ["| workload | path | answered | output tokens | wall s (range of runs) | output tok/s | vs engine | TTFT p50 / p99 ms "
              "| TTFT mean: client / ingress / engine ms | ITL p50 / p99 ms | kernel compiles (s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -459,8 +476,10 @@ def to_markdown(rows: list[dict]) -> str:
         compiles = "n/a" if r.get("kernel_compiles") is None else f"{r['kernel_compiles']} ({r['kernel_compile_s']:.1f})"
         means = ("" if r.get("engine_ttft_mean_s") is None and r.get("ingress_ttft_mean_s") is None else
                  f"{_ms(r['ttft_mean_s'])} / {_ms(r['ingress_ttft_mean_s'])} / {_ms(r['engine_ttft_mean_s'])}")
+        runs = r.get("wall_s_runs") or [r["wall_s"]]
+        wall = f"{r['wall_s']:.2f}" + (f" ({min(runs):.2f}-{max(runs):.2f})" if len(runs) > 1 else "")
         lines.append(f"| {r['workload']} | {r['path']} | {r['answered']}/{r['requests']} | {r['output_tokens']:,} "
-                     f"| {r['wall_s']:.2f} | {r['output_tok_per_s']:,.1f} | {ratio} "
+                     f"| {wall} | {r['output_tok_per_s']:,.1f} | {ratio} "
                      f"| {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} | {means} "
                      f"| {_ms(r['itl_p50_s'])} / {_ms(r['itl_p99_s'])} | {compiles} |")
     return "\n".join(lines)
