@@ -204,14 +204,15 @@ def checks(results: dict) -> None:
             ref = decode_attention_ref(q, kp, vp, table, sl, HEAD_DIM ** -0.5, fmts)
             variants = {"auto": {}, "one_split": {"num_splits": 1}, "precise": {"precise_pv": True}}
             if kind == "fp4":
-                variants.update({"plain_triton": {"asm": False}, "generic_kernel": {"fp4_kernel": False},
-                                 "triton_fp4_kernel": {"fp4_kernel": True},
-                                 "triton_fp4_regs_uncapped": {"fp4_kernel": True, "maxnreg": 0},
+                variants.update({"plain_triton": {"asm": False}, "generic_kernel": {"kernel": "generic"},
+                                 "triton_fp4_kernel": {"kernel": "fp4"},
+                                 "triton_fp4_regs_uncapped": {"kernel": "fp4", "maxnreg": 0},
                                  "gluon_regs96": {"maxnreg": 96},
                                  "gluon_many_splits": {"num_splits": 37}})
             for vname, kw in variants.items():
                 o = torch.full_like(q, float("nan"))
-                decode_attention(q, kp, vp, table, sl, HEAD_DIM ** -0.5, max(lens), fmts, out=o, **kw)
+                decode_attention(q, kp, vp, table, sl, HEAD_DIM ** -0.5, max(lens), fmts, out=o,
+                                 options=DecodeOptions(**kw))
                 out[f"decode_{name}_{kind}_{vname}_rel_err"] = ((o.float() - ref).norm() / ref.norm()).item()
             chunks = [(0, 300), (4000, 97), (8999, 1), (700, 300), (0, 1)]
             qsl = torch.tensor([0] + [c for _, c in chunks], device=DEV).cumsum(0).to(torch.int32)

@@ -22,8 +22,8 @@ every path generates exactly its max_tokens.
 
 Each path draws its own token ids (same shapes), so no path finds another's prompts in the prefix
 cache. "vs engine" is the path's output tok/s over the engine's on the same workload. With --repeats N
-each workload runs N times per path, each time with new token ids: the run of median wall time is
-reported, with the range of all N (one run on a GPU machine moved some ratios by up to 0.27x from
+each workload runs N times per path, each time with new token ids: the run of median wall time (the
+lower middle one for an even N) is reported, with the range of all N and the kernel compiles of all N (one run on a GPU machine moved some ratios by up to 0.27x from
 another's).
 
 GPU (one H100/H200; Ray from the offline bundle, see the README "On a GPU"):
@@ -94,14 +94,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="time each path's first requests too (default: every workload once small and untimed first)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--repeats", type=int, default=1,
-                   help="timed runs of each workload per path (fresh prompts each): the run of median wall time is "
-                        "reported, with every run's wall time")
+                   help="timed runs of each workload per path (fresh prompts each): the run of median wall time (the "
+                        "lower middle one for an even count) is reported, with every run's wall time; odd counts "
+                        "give a true median")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     args.paths = [x for x in args.paths.split(",") if x]
     if not set(args.paths) <= set(PATHS):
         p.error(f"--paths: some of {PATHS} (got {args.paths})")
+    if args.repeats < 1:
+        p.error(f"--repeats: at least 1 (got {args.repeats})")
     return args
 
 
@@ -287,7 +290,8 @@ async def run_workloads(path: str, args: argparse.Namespace, vocab_size: int, se
             compiled = f", {run['kernel_compiles']} kernel compiles" if counters else ""
             print(f"[{path}] {name}: {run['wall_s']:.2f} s{compiled}", flush=True)
             runs.append(run)
-        # the run of median wall time stands for the workload; every run's wall time is kept
+        # the run of median wall time (the lower middle one for an even count) stands for the workload;
+        # every run's wall time is kept, and the compiles are those of all runs
         chosen = dict(sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2])
         chosen["wall_s_runs"] = [r["wall_s"] for r in runs]
         if counters:
@@ -469,7 +473,7 @@ def _ms(value: float | None) -> str:
 
 def to_markdown(rows: list[dict]) -> str:
     lines = ["| workload | path | answered | output tokens | wall s (range of runs) | output tok/s | vs engine | TTFT p50 / p99 ms "
-             "| TTFT mean: client / ingress / engine ms | ITL p50 / p99 ms | kernel compiles (s) |",
+             "| TTFT mean: client / ingress / engine ms | ITL p50 / p99 ms | kernel compiles (s), all runs |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "n/a" if r["vs_engine"] is None else f"{r['vs_engine']:.3f}x"

@@ -329,9 +329,11 @@ def test_chunked_prefill_equals_one_shot_on_gpu(stories_paths, tmp_path, kv_cach
 def _assert_parts_at_near_tie(x, y, gap=0.1):
     """Two greedy continuations of one prompt are equal, or equal up to a position where each run's token
     is (one of) its best and the other run's token is among its two best, within `gap` nats (a
-    rounding-sized near-tie; at an exact tie the greedy pick and the top-logprob order may name either)."""
+    rounding-sized near-tie; at an exact tie the greedy pick and the top-logprob order may name either).
+    Equal up to the shorter one's end is not enough: that one stopped where the other went on."""
     i = next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), None)
-    if i is None:
+    if i is None:  # no token parts them: then neither may stop where the other goes on
+        assert len(x.token_ids) == len(y.token_ids), (x.token_ids, y.token_ids)
         return
     for own, other in ((x, y), (y, x)):
         top = dict(own.top_logprobs[i][:2])

@@ -70,15 +70,17 @@ def test_kernel_problems_name_the_reason():
     assert create_kv_cache("fp4", SPEC, 2, "cpu").kernel_problem() is None
 
 
-@pytest.mark.parametrize("kv,formats", [("bf16", None), ("fp8", None), ("fp4", DEFAULT_FP4),
-                                        ("fp8-fp4", (None, DEFAULT_FP4[1]))], ids=["bf16", "fp8", "fp4", "fp8-fp4"])
+@pytest.mark.parametrize("kv,formats", [("bf16", None), ("fp8", None), ("fp4", DEFAULT_FP4), ("fp4", ROTATED),
+                                        ("fp8-fp4", (None, DEFAULT_FP4[1]))],
+                         ids=["bf16", "fp8", "fp4", "fp4-rotated", "fp8-fp4"])
 def test_warm_kernels_launch_the_builds_and_write_nothing(kv, formats, monkeypatch):
     """KVCache.warm_kernels (start-up on CUDA: every store and decode build compiled before serving)
-    launches the store and decode kernels for real, here interpreted, and leaves every page as it was."""
+    launches the store and decode kernels for real, here interpreted, and leaves every page as it was;
+    its stores reach the kernel as the engine's do (a rotated fp4 cache hands it float32), with few
+    and with many rows per program."""
     from app.kernels import paged, store_kv
 
     monkeypatch.setattr(store_kv, "WIDE_ROWS", 64)  # the wide store's launch in fewer interpreted rows
-
     cache = create_kv_cache(kv, SPEC, 8, "cpu", formats)
     cache.use_kernels = True
     gen = torch.Generator().manual_seed(1)
@@ -86,5 +88,16 @@ def test_warm_kernels_launch_the_builds_and_write_nothing(kv, formats, monkeypat
     cache.store(0, k.bfloat16(), v.bfloat16(), torch.arange(20) + 16)
     tensors = [t for pages in cache.layer_pages(0) for t in paged.page_args(pages)]
     before = [t.clone() for t in tensors]
+    launched, real_store = [], store_kv.store_kv
+
+    def recording(key, *args, **kwargs):
+        launched.append((key.dtype, key.shape[0] * key.shape[1] > store_kv.WIDE_ROWS))
+        return real_store(key, *args, **kwargs)
+
+    monkeypatch.setattr(store_kv, "store_kv", recording)
     cache.warm_kernels(NUM_HEADS, max_blocks_per_seq=4)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(tensors, before))
+    warmed, launched[:] = set(launched), []
+    cache.store(1, k.bfloat16(), v.bfloat16(), torch.arange(20) + 16)  # a decode-sized and a prefill-sized
+    cache.store(1, k.repeat(4, 1, 1).bfloat16(), v.repeat(4, 1, 1).bfloat16(), torch.arange(80) + 16)  # store
+    assert set(launched) == warmed and len(warmed) == 2, (launched, warmed)

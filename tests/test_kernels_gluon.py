@@ -520,7 +520,7 @@ def test_code_maps_match_reference_on_gpu(fp16, kv_heads, group, stages):
 def test_default_route_is_gluon_with_engine_inputs_on_gpu():
     """What the engine passes: int64 block tables and sequence lengths, no kernel options, pages of
     32 tokens; also an fp16 query. The default call must be the Gluon kernel: its output equals the
-    gluon=True call's bit for bit and differs from the Triton fp4 kernel's."""
+    kernel="gluon" call's bit for bit and differs from the Triton fp4 kernel's."""
     formats = DEFAULT_FP4
     table, kp, vp = cuda_fp4_pages(SEQ_LENS, 8, 32, formats, seed=3)
     table = table.long()

@@ -29,7 +29,7 @@ def test_serve_vs_engine_runs_and_its_counts_add_up(tmp_path):
         expected = 6 * 8 if workload == "6x48+8" else 2 * 2 * 6
         assert r["answered"] == r["requests"] and r["output_tokens"] == expected, r
         assert r["wall_s"] > 0 and r["output_tok_per_s"] > 0 and r["vs_engine"] > 0
-        assert len(r["wall_s_runs"]) == 2 and r["wall_s"] == min(r["wall_s_runs"]), r  # the median of two: the lower
+        assert len(r["wall_s_runs"]) == 2 and r["wall_s"] == min(r["wall_s_runs"]), r  # two runs: the lower middle one
         assert (r["vs_engine"] == 1.0) == (path == "engine")
         assert r["kernel_compiles"] == 0 and r["kernel_compile_s"] == 0, r  # CPU engines compile no Triton kernel
         if workload != "6x48+8":  # streamed: a first token and gaps between the others, per request
@@ -40,3 +40,14 @@ def test_serve_vs_engine_runs_and_its_counts_add_up(tmp_path):
                 assert r["ingress_ttft_mean_s"] is None
             else:
                 assert r["engine_ttft_mean_s"] <= r["ingress_ttft_mean_s"] <= r["ttft_mean_s"], r
+
+
+def test_arguments_are_checked_before_anything_starts():
+    """Bad --repeats or --paths stop the benchmark at parsing (exit 2), before Ray or Serve start."""
+    from bench import serve_vs_engine
+
+    for argv in (["--repeats", "0"], ["--paths", "http,grpc"]):
+        with pytest.raises(SystemExit) as info:
+            serve_vs_engine.parse_args(argv)
+        assert info.value.code == 2
+    assert serve_vs_engine.parse_args(["--repeats", "3"]).repeats == 3

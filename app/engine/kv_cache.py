@@ -167,16 +167,21 @@ class KVCache(ABC):
 
     def warm_kernels(self, num_heads: int, max_blocks_per_seq: int) -> None:
         """Compile, before serving, every build of the store and decode kernels that this cache's
-        launches can pick (store_kv.warm_builds, decode_attention.warm_builds): reads and no writes.
-        The decode graphs' capture covers only their own builds; the prefill paths are warmed by the
-        engine's warm-up requests (LLMEngine._warm_up)."""
+        launches can pick: writes nothing. The store through this cache's own store() (whatever it
+        does before the kernel, e.g. fp4's rotation in float32), once with few (token, KV head) rows
+        and once with more than store_kv.WIDE_ROWS, over tokens whose slots are all -1; the decode
+        kernels by decode_attention.warm_builds. The decode graphs' capture covers only their own
+        builds; the prefill paths are warmed by the engine's warm-up requests (LLMEngine._warm_up)."""
         if not self.kernels_enabled():
             return
         from app.kernels import decode_attention, store_kv
 
+        s, dtype = self.spec, self.spec.compute_dtype
+        for num_tokens in (1, store_kv.WIDE_ROWS // s.num_kv_heads + 1):
+            kv = torch.zeros(num_tokens, s.num_kv_heads, s.head_dim, dtype=dtype, device=self.device)
+            slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device)
+            self.store(0, kv, kv, slots, nonfinite=torch.zeros(num_tokens, dtype=torch.int32, device=self.device))
         k_pages, v_pages = self.layer_pages(0)
-        dtype = self.spec.compute_dtype
-        store_kv.warm_builds(k_pages, v_pages, self.kernel_formats, dtype)
         decode_attention.warm_builds(num_heads, k_pages, v_pages, self.kernel_formats, dtype, max_blocks_per_seq)
 
     def _attend_kernels(self, layer, query, meta, scale) -> torch.Tensor:

@@ -255,19 +255,6 @@ def store_kv(
     )
 
 
-def warm_builds(k_pages, v_pages, formats: tuple[FP4Format | None, FP4Format | None], dtype: torch.dtype) -> None:
-    """Compile, before serving, both builds the engine's stores use for these pages (few rows per
-    program for up to WIDE_ROWS (token, KV head) rows, more beyond; NaN/Inf flagged): one launch of
-    each over tokens whose slots are all -1, which writes nothing."""
-    _, _, num_kv_heads, head_dim = paged.check_pages(k_pages, formats[0], "k_pages")
-    device = paged.page_args(k_pages)[0].device
-    for num_tokens in (1, WIDE_ROWS // num_kv_heads + 1):
-        kv = torch.zeros(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
-        slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
-        flags = torch.zeros(num_tokens, dtype=torch.int32, device=device)
-        store_kv(kv, kv, slots, k_pages, v_pages, formats, nonfinite=flags)
-
-
 def store_kv_ref(key, value, slot_mapping, k_pages, v_pages,
                  formats: tuple[FP4Format | None, FP4Format | None] = (None, None)) -> None:
     """The torch path: quantize with app/kernels/fp4.py or fp8.py and scatter into the same pages."""
