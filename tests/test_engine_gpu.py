@@ -346,7 +346,8 @@ _SERVING_SHAPES = r"""
 import json, random, sys
 from app import LLM, SamplingParams
 llm = LLM(model="llama-3.1-8b", load_format="dummy", device="cuda", kv_cache_dtype=sys.argv[1],
-          kv_cache_memory="2GiB", max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=2048)
+          kv_cache_memory="2GiB", max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=2048,
+          **json.loads(sys.argv[2]))
 engine, rng = llm.engine, random.Random(0)
 before = engine.stats()["kernel_compiles_total"]
 shared = [rng.randrange(100, 30000) for _ in range(1024)]
@@ -368,17 +369,20 @@ print(json.dumps({"requests": n, "steps": step, "serving": s["kernel_compiles_se
 """
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8", "fp4", "fp8-fp4"])
-def test_no_kernel_compiles_while_serving(kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,extra", [("bf16", {}), ("fp8", {}), ("fp4", {}), ("fp8-fp4", {}),
+                                                  ("fp4", {"fp4": {"rotate": True}})],
+                         ids=["bf16", "fp8", "fp4", "fp8-fp4", "fp4-rotated"])
+def test_no_kernel_compiles_while_serving(kv_cache_dtype, extra):
     """A fresh process (Triton's in-memory caches empty; its disk cache loads count as compiles too)
-    starts an 8B-shaped engine and serves a varied load: prompts from 8 to 7k tokens arriving while
-    others decode, prefix hits, chunked prefill. Every kernel build that load launches was compiled at
-    start-up (the decode graphs, KVCache.warm_kernels, the warm-up requests): none while serving."""
+    starts an 8B-shaped engine (each KV format; fp4 rotated too, whose store gets float32) and serves
+    a varied load: prompts from 8 to 7k tokens arriving while others decode, prefix hits, chunked
+    prefill. Every kernel build that load launches was compiled at start-up (the decode graphs,
+    KVCache.warm_kernels, the warm-up requests): none while serving."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _SERVING_SHAPES, kv_cache_dtype], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", _SERVING_SHAPES, kv_cache_dtype, json.dumps(extra)],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["start_up"] > 0 and result["free"], result
