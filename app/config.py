@@ -219,6 +219,10 @@ class EngineConfig(BaseModel):
             raise ValueError(f"kv_cache_memory must be > 0 (got {v!r})")
         return n
 
+    def warms_up(self, device_type: str) -> bool:
+        """Whether the start-up warms the kernels on this device (`warmup`; null: on with CUDA)."""
+        return self.warmup if self.warmup is not None else device_type == "cuda"
+
 
 class PlacementConfig(BaseModel):
     """Where one LLMServer replica runs: a placement group sized to a node.

@@ -23,8 +23,8 @@ every path generates exactly its max_tokens.
 Each path draws its own token ids (same shapes), so no path finds another's prompts in the prefix
 cache. "vs engine" is the path's output tok/s over the engine's on the same workload. With --repeats N
 each workload runs N times per path, each time with new token ids: the run of median wall time (the
-lower middle one for an even N) is reported, with the range of all N and the kernel compiles of all N (one run on a GPU machine moved some ratios by up to 0.27x from
-another's).
+lower middle one for an even N) is reported, with the range of all N and the kernel compiles of all N
+(one run on a GPU machine moved some ratios by up to 0.27x from another's).
 
 GPU (one H100/H200; Ray from the offline bundle, see the README "On a GPU"):
 
@@ -249,6 +249,33 @@ async def warm_up(path: str, args: argparse.Namespace, vocab_size: int, send, se
     print(f"[{path}] warmed up in {time.perf_counter() - start:.1f} s{compiled}", flush=True)
 
 
+async def timed_run(path: str, name: str, kind: str, shape, seed: str, args: argparse.Namespace, vocab_size: int,
+                    send, send_batch, counters) -> dict:
+    """One timed run of one workload on one path (run_workloads' arguments): its row."""
+    before = await counters() if counters else None
+    if kind == "throughput":
+        prompts, max_tokens = throughput_prompts(shape, vocab_size, seed), shape[2]
+        start = time.perf_counter()
+        if send_batch is not None:
+            streams = send_batch(prompts, max_tokens)
+        else:
+            streams = await asyncio.gather(*(send(p, max_tokens, False) for p in prompts))
+        run = row(path, name, streams, max_tokens, time.perf_counter() - start, len(prompts))
+    else:
+        sessions = session_prompts(args, vocab_size, seed)
+        start = time.perf_counter()
+        streams = await run_sessions(sessions, args.session_reply, lambda p, m: send(p, m, True))
+        run = row(path, name, streams, args.session_reply, time.perf_counter() - start, args.sessions * args.turns)
+    if counters:
+        after = await counters()
+        run.update(compile_deltas(before, after))
+        if kind == "sessions":
+            run.update(ttft_means(before, after))
+    compiled = f", {run['kernel_compiles']} kernel compiles" if counters else ""
+    print(f"[{path}] {name}: {run['wall_s']:.2f} s{compiled}", flush=True)
+    return run
+
+
 async def run_workloads(path: str, args: argparse.Namespace, vocab_size: int, send, send_batch=None,
                         kinds=("throughput", "sessions"), counters=None) -> list[dict]:
     """The workloads of `kinds` on one path. send(prompt, max_tokens, stream) -> Stream;
@@ -267,29 +294,7 @@ async def run_workloads(path: str, args: argparse.Namespace, vocab_size: int, se
             seed = f"{args.seed}-{path}-{name}" + (f"-r{rep}" if rep else "")
             print(f"[{path}] {name}{f' (run {rep + 1} of {args.repeats})' if args.repeats > 1 else ''} ...",
                   flush=True)
-            before = await counters() if counters else None
-            if kind == "throughput":
-                prompts, max_tokens = throughput_prompts(shape, vocab_size, seed), shape[2]
-                start = time.perf_counter()
-                if send_batch is not None:
-                    streams = send_batch(prompts, max_tokens)
-                else:
-                    streams = await asyncio.gather(*(send(p, max_tokens, False) for p in prompts))
-                run = row(path, name, streams, max_tokens, time.perf_counter() - start, len(prompts))
-            else:
-                sessions = session_prompts(args, vocab_size, seed)
-                start = time.perf_counter()
-                streams = await run_sessions(sessions, args.session_reply, lambda p, m: send(p, m, True))
-                run = row(path, name, streams, args.session_reply, time.perf_counter() - start,
-                          args.sessions * args.turns)
-            if counters:
-                after = await counters()
-                run.update(compile_deltas(before, after))
-                if kind == "sessions":
-                    run.update(ttft_means(before, after))
-            compiled = f", {run['kernel_compiles']} kernel compiles" if counters else ""
-            print(f"[{path}] {name}: {run['wall_s']:.2f} s{compiled}", flush=True)
-            runs.append(run)
+            runs.append(await timed_run(path, name, kind, shape, seed, args, vocab_size, send, send_batch, counters))
         # the run of median wall time (the lower middle one for an even count) stands for the workload;
         # every run's wall time is kept, and the compiles are those of all runs
         chosen = dict(sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2])
@@ -472,15 +477,15 @@ def _ms(value: float | None) -> str:
 
 
 def to_markdown(rows: list[dict]) -> str:
-    lines = ["| workload | path | answered | output tokens | wall s (range of runs) | output tok/s | vs engine | TTFT p50 / p99 ms "
-             "| TTFT mean: client / ingress / engine ms | ITL p50 / p99 ms | kernel compiles (s), all runs |",
+    lines = ["| workload | path | answered | output tokens | wall s (range of runs) | output tok/s | vs engine "
+             "| TTFT p50 / p99 ms | TTFT mean: client / ingress / engine ms | ITL p50 / p99 ms | kernel compiles (s), all runs |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "n/a" if r["vs_engine"] is None else f"{r['vs_engine']:.3f}x"
         compiles = "n/a" if r.get("kernel_compiles") is None else f"{r['kernel_compiles']} ({r['kernel_compile_s']:.1f})"
         means = ("" if r.get("engine_ttft_mean_s") is None and r.get("ingress_ttft_mean_s") is None else
                  f"{_ms(r['ttft_mean_s'])} / {_ms(r['ingress_ttft_mean_s'])} / {_ms(r['engine_ttft_mean_s'])}")
-        runs = r.get("wall_s_runs") or [r["wall_s"]]
+        runs = r["wall_s_runs"]
         wall = f"{r['wall_s']:.2f}" + (f" ({min(runs):.2f}-{max(runs):.2f})" if len(runs) > 1 else "")
         lines.append(f"| {r['workload']} | {r['path']} | {r['answered']}/{r['requests']} | {r['output_tokens']:,} "
                      f"| {wall} | {r['output_tok_per_s']:,.1f} | {ratio} "

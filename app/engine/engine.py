@@ -161,7 +161,7 @@ class LLMEngine:
         # Seconds of each start-up phase: the executor's (model load, KV cache, CUDA graphs where it
         # runs in this process, else its whole start as "workers"), the checks and tokenizer before.
         phases = dict(runner.startup_s) if runner is not None else {"workers": executor_s}
-        if config.warmup if config.warmup is not None else self.device.type == "cuda":
+        if config.warms_up(self.device.type):
             t_warmup = time.perf_counter()
             try:
                 self._warm_up()

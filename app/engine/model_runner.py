@@ -322,7 +322,7 @@ class ModelRunner:
             self.kv_cache = self.buffers = None
             raise KVCacheAllocationError(self._allocation_failure(num_blocks, e)) from e
         self.startup_s["kv_cache"] = time.perf_counter() - t0
-        if self.device.type == "cuda" and (c.warmup if c.warmup is not None else True):
+        if self.device.type == "cuda" and c.warms_up("cuda"):
             t0 = time.perf_counter()  # the kernel builds the graphs and the warm-up requests do not launch
             self.kv_cache.warm_kernels(self.num_heads, self.buffers.max_blocks_per_seq)
             self.startup_s["kernels"] = time.perf_counter() - t0

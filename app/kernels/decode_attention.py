@@ -570,7 +570,7 @@ def decode_attention(
 
 
 def warm_builds(num_heads: int, k_pages, v_pages, formats: tuple[FP4Format | None, FP4Format | None],
-                dtype: torch.dtype, max_blocks_per_seq: int) -> int:
+                dtype: torch.dtype, max_blocks_per_seq: int) -> None:
     """Compile, before serving, every build of the decode kernels that decode_attention's rules can pick
     for these pages, by launching it once per case its rules tell apart: split or not, the Gluon kernel's
     tile pairs or single tiles (Launch.constexprs_for: long or one-tile splits), the Triton fp4 kernel's
@@ -578,12 +578,11 @@ def warm_builds(num_heads: int, k_pages, v_pages, formats: tuple[FP4Format | Non
     splits up to 256. Without this, the first mixed step (whose decode rows are planned on their real
     lengths, not a graph's) or the first long context compiled them while serving (1-3 s each on a cold
     machine, the step waiting). Every case runs one-token sequences over block 0: reads only, outputs
-    discarded. Returns the number of decode launches made."""
-    _, bs, num_kv_heads, head_dim = paged.check_pages(k_pages, formats[0], "k_pages")
+    discarded."""
+    head_dim = paged.check_pages(k_pages, formats[0], "k_pages")[3]
     device = paged.page_args(k_pages)[0].device
     tile = decode_fp4_gluon.W * decode_fp4_gluon.TW
     long = 64 * 128  # splits of 4096 tokens: paired in the Gluon kernel wherever pairs exist
-    launches = 0
     for num_seqs in (1, 8):
         query = torch.zeros(num_seqs, num_heads, head_dim, dtype=dtype, device=device)
         tables = torch.zeros(num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
@@ -591,12 +590,10 @@ def warm_builds(num_heads: int, k_pages, v_pages, formats: tuple[FP4Format | Non
         for max_seq_len, num_splits in ((1, 1), (2 * tile, 2), (long, 1), (long, 2)):
             decode_attention(query, k_pages, v_pages, tables, lens, 1.0, max_seq_len, formats,
                              options=DecodeOptions(num_splits=num_splits))
-            launches += 1
     out = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     for splits in (2 ** i for i in range(1, 9)):
         part_o = torch.zeros(1, num_heads, splits, head_dim, dtype=torch.float32, device=device)
         _merge_splits(part_o, torch.zeros(1, num_heads, splits, dtype=torch.float32, device=device), out, splits)
-    return launches
 
 
 def _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats, num_splits, out,
