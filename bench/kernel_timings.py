@@ -300,12 +300,9 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
         row["fp8_generic_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx,
                                                                options=DecodeOptions(kernel="generic")))
         del v8
-        # fp4; fp8 keys with fp4 values (kv_cache_dtype fp8-fp4: the fp8 kernel with fp4 values)
+        # fp4; fp8 keys with fp4 values (kv_cache_dtype fp8-fp4: the generic kernel)
         kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
         row["fp8_fp4_ms"] = bench(lambda: decode_attention(q, k8, vp, table, sl, scale, ctx, (None, FORMATS[1])))
-        # the generic kernel on the same pages (the fp8-fp4 path before the fp8 kernel took fp4 values)
-        row["fp8_fp4_generic_ms"] = bench(lambda: decode_attention(q, k8, vp, table, sl, scale, ctx, (None, FORMATS[1]),
-                                                                   options=DecodeOptions(kernel="generic")))
         del k8
         row["fp4_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
         # the Gluon kernel with loads into registers instead of its cp.async ring (the default, fp4_ms)
@@ -616,12 +613,11 @@ def print_tables(results: dict) -> None:
             print(f"{r['model']} {r['ctx']} {r['batch']} | {r['bf16_paged_ms']:.4f} {r['fp8_ms']:.4f} "
                   f"{r['fp8_generic_ms']:.4f} | {r['fp8_speedup_vs_bf16_paged']:.2f} | {r['fp8_speedup_vs_generic']:.2f} | "
                   f"{r['fp8_eff_bw_pct_copy']:.0f} {r['bf16_paged_eff_bw_pct_copy']:.0f}")
-        print("model ctx batch | sdpa_ms fp8_ms fp8_fp4_ms fp8_fp4_generic_ms fp4_ms | fp8 x sdpa | fp8-fp4 x sdpa | "
-              "fp8-fp4 x generic | fp4 x sdpa | fp8 %copy fp8-fp4 %copy fp4 %copy")
+        print("model ctx batch | sdpa_ms fp8_ms fp8_fp4_ms fp4_ms | fp8 x sdpa | fp8-fp4 x sdpa | fp4 x sdpa | "
+              "fp8 %copy fp8-fp4 %copy fp4 %copy")
         for r in results["decode"]:
             print(f"{r['model']} {r['ctx']} {r['batch']} | {r['sdpa_ms']:.4f} {r['fp8_ms']:.4f} {r['fp8_fp4_ms']:.4f} "
-                  f"{r['fp8_fp4_generic_ms']:.4f} {r['fp4_ms']:.4f} | {r['fp8_speedup_vs_sdpa']:.2f} | "
-                  f"{r['fp8_fp4_speedup_vs_sdpa']:.2f} | {r['fp8_fp4_generic_ms'] / r['fp8_fp4_ms']:.2f} | "
+                  f"{r['fp4_ms']:.4f} | {r['fp8_speedup_vs_sdpa']:.2f} | {r['fp8_fp4_speedup_vs_sdpa']:.2f} | "
                   f"{r['fp4_speedup_vs_sdpa']:.2f} | {r['fp8_eff_bw_pct_copy']:.0f} {r['fp8_fp4_eff_bw_pct_copy']:.0f} "
                   f"{r['fp4_eff_bw_pct_copy']:.0f}")
 

@@ -152,11 +152,10 @@ def main() -> None:
     dense = {"K_KIND": 0, "K_G": 1, "K_KO": 0, "V_KIND": 0, "V_G": 1, "V_KO": 0}
     dense_sig = dict(SIG, **{k: "*bf16" for k in PAGE_SIG})
     gluon_sig = dict(SIG, qt_ptr="*fp32")
-    # _decode_fp8_kernel: fp8 keys (values, float32 scales), values as fp8 (v0, v1) or fp4 pages (v0..v4)
+    # _decode_fp8_kernel: fp8 K and V pages (E4M3 values, float32 scales)
     fp8_sig = dict({k: v for k, v in SIG.items() if k not in PAGE_SIG}, k_vals="*u8", k_scale="*fp32",
-                   v0="*u8", v1="*fp32", v2="*fp32", v3="*fp32", v4="*fp32")
-    fp8_fp4_sig = dict(fp8_sig, v1="*u8", v2="*u8", v3="*bf16", v4="*u8")
-    fp8_args = {"DT": tl.float16, "VDT": tl.float16, "V_FP4": False, "V_G": 1, "V_KO": 0}
+                   v_vals="*u8", v_scale="*fp32")
+    fp8_args = {"DT": tl.float16}
     gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, "STAGES": decode_fp4_gluon.STAGES,
                   "F16": True, "PAIR": None, "KG8": False, "QVEC": decode_fp4_gluon.QUERY_VECTOR,
                   **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default
@@ -184,9 +183,7 @@ def main() -> None:
         ("generic kernel on fp4 pages (before)", _decode_kernel, SIG, generic_fp4, 4, 2, None, 128, 1),
         ("generic kernel on bf16 pages", _decode_kernel, dense_sig, dense, 4, 2, None, 64, 1),
         ("fp8 kernel (fp8 K and V)", _decode_fp8_kernel, fp8_sig, fp8_args, 4, FP8_STAGES, None, FP8_BLOCK_N, 1),
-        ("fp8 kernel, fp4 values (fp8-fp4)", _decode_fp8_kernel, fp8_fp4_sig,
-         dict(fp8_args, V_FP4=True, V_G=32, VDT=tl.bfloat16), 4, FP8_STAGES, None, FP8_BLOCK_N, 1),
-        ("generic kernel on fp8-fp4 pages (before)", _decode_kernel, dict(SIG, k0="*u8", k1="*fp32", k2="*fp32",
+        ("generic kernel on fp8-fp4 pages", _decode_kernel, dict(SIG, k0="*u8", k1="*fp32", k2="*fp32",
          k3="*fp32", k4="*fp32"), dict(generic_fp4, K_KIND=1, K_G=1, K_KO=0), 4, 2, None, 64, 1),
     ]
     with tempfile.TemporaryDirectory() as tmp:

@@ -125,33 +125,6 @@ def test_fp8_kernel_agrees_with_the_generic_kernel():
     assert da.FP8_BLOCK_N >= 16
 
 
-def test_fp8_keys_with_fp4_values_run_the_fp8_kernel():
-    """kv_cache_dtype fp8-fp4 (fp8 K pages, fp4 V pages) runs _decode_fp8_kernel by rule: its keys as the fp8
-    pages' (fp16 MMAs), its values unpacked as _decode_fp4_kernel's (bf16 PV, each token's power-of-two
-    scale on its probability). The generic kernel reads the same pages another way; both agree with each
-    other and with float32 attention; seven splits leave empty ones. The rule's choice is seen by
-    replacing the fp8 kernel's launcher with one that counts, then launches."""
-    import app.kernels.decode_attention as da
-
-    seq_lens = [1, 17, 300]
-    launched = []
-    kernel = da._decode_fp8_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return kernel[grid]
-
-    da._decode_fp8_kernel = Counting()
-    try:
-        fp8_fp4, ref = _run("fp8-fp4", seq_lens, 2, 4, 128, 16, num_splits=7, block_n=None)
-    finally:
-        da._decode_fp8_kernel = kernel
-    assert len(launched) == 1
-    generic, _ = _run("fp8-fp4", seq_lens, 2, 4, 128, 16, num_splits=7, kernel="generic")
-    assert rel_err(fp8_fp4, generic) < 4e-3 and rel_err(fp8_fp4, ref) < 1e-2
-
-
 _CUDA = [pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available() or paged.interpreting(), reason="needs CUDA (and TRITON_INTERPRET unset)"))]
 
@@ -195,8 +168,8 @@ def test_fp8_kernel_at_extreme_magnitudes(device, num_splits):
 @pytest.mark.parametrize("group,head_dim,block_size", [(4, 128, 16), (8, 64, 1), (1, 128, 16)])
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_fp8_keys_with_fp4_values_on_the_device(device, group, head_dim, block_size, num_splits):
-    """fp8-fp4 pages through the rule's kernel (_decode_fp8_kernel with fp4 values) on the device (on the GPU:
-    the PTX conversions, fp16 and bf16 tensor cores) against float32 attention over the same pages: GQA 1/4/8,
+    """fp8-fp4 pages (fp8 keys, fp4 values) through the rule's kernel (the generic one) on the device (on the
+    GPU: the PTX unpack and bf16 tensor cores) against float32 attention over the same pages: GQA 1/4/8,
     head_dim 64/128, block size 1/16, one split and five (some empty)."""
     seq_lens = [1, 17, 300, 1027] if device == "cuda" else [1, 17, 100]
     kv_heads = 2
@@ -293,7 +266,7 @@ def test_decode_options_refuse_what_no_kernel_runs():
         DecodeOptions(kernel="triton")
     with pytest.raises(ValueError, match="precise_pv runs the Triton fp4 or generic kernel"):
         DecodeOptions(kernel="fp8", precise_pv=True)
-    with pytest.raises(ValueError, match="the fp8 kernel reads fp8 K pages and fp8 or fp4 V pages"):
+    with pytest.raises(ValueError, match="the fp8 kernel reads fp8 K and V pages"):
         _run("fp4", [17, 40], 1, 4, 64, 16, kernel="fp8")
     with pytest.raises(ValueError, match="the Gluon fp4 kernel cannot run this decode"):
         _run("fp8", [17, 40], 1, 4, 64, 16, kernel="gluon")

@@ -13,8 +13,7 @@ at batch 1 and long context.
 The engine's default fp4 cache (and key groups of 8 without key slots) runs decode_fp4_gluon's kernel on
 CUDA (Gluon: explicit layouts around the fp4 unpack; its docstring says how, `unsupported` says what it
 needs); other fp4 K and V pages run _decode_fp4_kernel, the same algorithm arranged around the unpack in plain Triton (also
-what the CPU tests interpret); fp8 keys (with fp8 or fp4 values) run _decode_fp8_kernel; every other combination runs
-_decode_kernel.
+what the CPU tests interpret); every other combination runs _decode_kernel.
 
 Speed (bench/RESULTS.md, "Decode attention", H200): bf16 pages run within 3-12% of torch SDPA on
 contiguous K/V for the Llama-3.1-8B shape from 8k context and batch 8; fp4 pages (Gluon) 1.53-1.85x faster
@@ -262,25 +261,21 @@ def _fp16_pow2(amax):
 @triton.jit(do_not_specialize=SPLIT_ARGS)
 def _decode_fp8_kernel(
     q_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    k_vals, k_scale, v0, v1, v2, v3, v4,
+    k_vals, k_scale, v_vals, v_scale,
     block_tables_ptr, seq_lens_ptr,
     sm_scale_log2, stride_q_seq, stride_q_head, stride_bt, split_size, num_splits,
     H: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    V_FP4: tl.constexpr, V_G: tl.constexpr, V_KO: tl.constexpr,
-    DT: tl.constexpr, VDT: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+    DT: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
 ):
-    """_decode_kernel for fp8 K pages and fp8 or (V_FP4) fp4 V pages, the keys in fp16 MMAs (its
-    instruction counts: FP8_BLOCK_N's comment). Each fp8 vector is read as 16-bit words of two E4M3 values
-    and used as its even and odd halves (the query split alike, the output written back interleaved), so
-    one prmt and one hardware widening per two values make the MMA operands in registers (the generic
-    kernel's E4M3 -> bf16 conversion ran after the shared-memory round trip, with byte-wise shared loads
-    and float32 round trips). The query goes to fp16 times a power of two (_fp16_pow2; the scores take it
-    back) and the keys' scales multiply the scores. fp8 values (v0: values, v1: scales): each value's scale
-    joins its score as log2(scale), so the probabilities go to the PV MMA (fp16, DT) already weighted by it
-    and at most 1 (exact to fp16's 11 bits relative to the largest whatever the values' magnitudes); the
-    sums take it back (p / scale). fp4 values (kv_cache_dtype fp8-fp4; v0..v4 as _decode_fp4_kernel takes
-    them, groups of V_G, V_KO outlier slots): unpacked to even and odd halves as _decode_fp4_kernel does,
-    the PV product in VDT (bf16) with each token's power-of-two scale on its probability."""
+    """_decode_kernel for fp8 K and V pages, in fp16 MMAs (its instruction counts: FP8_BLOCK_N's
+    comment). Each vector is read as 16-bit words of two E4M3 values and used as its even and odd halves
+    (the query split alike, the output written back interleaved), so one prmt and one hardware widening
+    per two values make the MMA operands in registers (the generic kernel's E4M3 -> bf16 conversion ran
+    after the shared-memory round trip, with byte-wise shared loads and float32 round trips). The query
+    goes to fp16 times a power of two (_fp16_pow2; the scores take it back), the keys' scales multiply the
+    scores, and each value's scale joins its score as log2(scale), so the probabilities go to the PV MMA
+    already weighted by it and at most 1 (exact to fp16's 11 bits relative to the largest whatever the
+    values' magnitudes); the sums take it back (p / scale)."""
     h, b, sp, start, end = _program_split(seq_lens_ptr, split_size, num_splits, BLOCK_N)
     DH: tl.constexpr = D // 2
     g = tl.arange(0, GP)
@@ -296,7 +291,7 @@ def _decode_fp8_kernel(
     k_factor = sm_scale_log2 / qf
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_words = k_vals.to(tl.pointer_type(tl.uint16))
-    v_words = v0.to(tl.pointer_type(tl.uint16))
+    v_words = v_vals.to(tl.pointer_type(tl.uint16))
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc_even = tl.zeros([DH, GP], tl.float32)  # transposed: O^T
@@ -311,31 +306,17 @@ def _decode_fp8_kernel(
         k_even, k_odd = _e4m3_halves(kw, DT, ASM)
         s = paged.mma(q_even, tl.trans(k_even), None)
         s = paged.mma(q_odd, tl.trans(k_odd), s) * (fk * k_factor)[None, :]  # [GP, N] base-2 logits
-        if V_FP4:
-            vc, vs, ve = paged.load_fp4_groups(v0, v1, v2, rows, n_mask, D, V_G)
-            v_even, v_odd = paged.fp4_unpack_groups(vc, vs, ASM)
-            if V_KO > 0:
-                v_even, v_odd = _fp4_value_outliers(v_even, v_odd, v3, v4, rows, n_mask, ve, V_KO)
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            pt = tl.trans((p * paged.pow2_scale(ve)[None, :]).to(VDT))  # [N, GP]
-            acc_even = paged.mma(tl.trans(v_even.to(VDT)), pt, acc_even * alpha[None, :])
-            acc_odd = paged.mma(tl.trans(v_odd.to(VDT)), pt, acc_odd * alpha[None, :])
-        else:
-            vw = tl.load(v_words + rows[:, None] * DH + i[None, :], mask=n_mask[:, None], other=0)
-            fv = tl.maximum(tl.load(v1 + rows, mask=n_mask, other=1.0), 1e-30)
-            s = tl.where(n_mask[None, :], s + tl.log2(fv)[None, :], float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])  # probability x the value's scale
-            l = l * alpha + tl.sum(p / fv[None, :], 1)
-            v_even, v_odd = _e4m3_halves(vw, DT, ASM)
-            pt = tl.trans(p.to(DT))  # [N, GP]
-            acc_even = paged.mma(tl.trans(v_even), pt, acc_even * alpha[None, :])
-            acc_odd = paged.mma(tl.trans(v_odd), pt, acc_odd * alpha[None, :])
+        vw = tl.load(v_words + rows[:, None] * DH + i[None, :], mask=n_mask[:, None], other=0)
+        fv = tl.maximum(tl.load(v_scale + rows, mask=n_mask, other=1.0), 1e-30)
+        s = tl.where(n_mask[None, :], s + tl.log2(fv)[None, :], float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])  # probability x the value's scale
+        l = l * alpha + tl.sum(p / fv[None, :], 1)
+        v_even, v_odd = _e4m3_halves(vw, DT, ASM)
+        pt = tl.trans(p.to(DT))  # [N, GP]
+        acc_even = paged.mma(tl.trans(v_even), pt, acc_even * alpha[None, :])
+        acc_odd = paged.mma(tl.trans(v_odd), pt, acc_odd * alpha[None, :])
         m = m_new
     _store_halves(out_ptr, part_o_ptr, part_lse_ptr, acc_even, acc_odd, m, l, h, b, sp, num_splits, H, GROUP, D, SPLIT)
 
@@ -453,9 +434,9 @@ class DecodeOptions:
     none.
 
     kernel: None (the rule: the Gluon kernel for fp4 K and V pages in decode_fp4_gluon's scope,
-    _decode_fp4_kernel for other fp4 pages with head_dim >= 128, _decode_fp8_kernel for fp8 K pages with
-    fp8 or fp4 V pages, _decode_kernel for everything else), "gluon" (required: ValueError naming why it
-    cannot run), "fp4" (_decode_fp4_kernel), "fp8" (_decode_fp8_kernel) or "generic" (_decode_kernel, any
+    _decode_fp4_kernel for other fp4 pages with head_dim >= 128, _decode_fp8_kernel for fp8 K and V
+    pages, _decode_kernel for everything else), "gluon" (required: ValueError naming why it cannot
+    run), "fp4" (_decode_fp4_kernel), "fp8" (_decode_fp8_kernel) or "generic" (_decode_kernel, any
     pages). num_splits: the split count (None: num_splits_for's rule).
     Triton kernels only: block_n, tokens per tile (None: 128 for fp4 pages, FP8_BLOCK_N for the fp8
     kernel, 64 otherwise, the fastest in docs/history.md); num_warps; precise_pv: the PV product from p
@@ -525,8 +506,7 @@ def decode_attention(
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.stride(-1) == 1
     assert block_tables.dtype in (torch.int32, torch.int64) and seq_lens.shape == (num_seqs,)
     kinds = (paged.page_kind(k_pages), paged.page_kind(v_pages))
-    fp4_pages = kinds == (paged.FP4, paged.FP4)
-    fp8_keys = kinds[0] == paged.FP8 and kinds[1] in (paged.FP8, paged.FP4)  # fp8, fp8-fp4: the fp8 kernel
+    fp4_pages, fp8_pages = kinds == (paged.FP4, paged.FP4), kinds == (paged.FP8, paged.FP8)
     if kernel in (None, "gluon"):
         why = "K and V pages are not both fp4"
         if precise_pv:
@@ -542,38 +522,33 @@ def decode_attention(
                                  num_splits, out, maxnreg, num_stages, o.fp16, o.pair)
         # The fp4 kernel where it measured faster (docs/history.md): head_dim 128, capped at 128
         # registers, and 256, uncapped (capped it spills); at 64 the generic kernel was 1.2-1.6x faster.
-        kernel = "fp4" if fp4_pages and head_dim >= 128 else "fp8" if fp8_keys and not precise_pv else "generic"
-    if kernel == "fp4" and not fp4_pages:
-        raise ValueError(f"the fp4 kernel reads fp4 K and V pages (got page kinds {kinds})")
-    if kernel == "fp8" and not fp8_keys:
-        raise ValueError(f"the fp8 kernel reads fp8 K pages and fp8 or fp4 V pages (got page kinds {kinds})")
-    both_fp4, fp8_kernel = kernel == "fp4", kernel == "fp8"
+        kernel = "fp4" if fp4_pages and head_dim >= 128 else "fp8" if fp8_pages and not precise_pv else "generic"
+    if (kernel == "fp4" and not fp4_pages) or (kernel == "fp8" and not fp8_pages):
+        raise ValueError(f"the {kernel} kernel reads {kernel} K and V pages (got page kinds {kinds})")
+    both_fp4, both_fp8 = kernel == "fp4", kernel == "fp8"
     cap = (128 if head_dim == 128 else 0) if maxnreg is None else maxnreg
     capped = both_fp4 and cap > 0 and not paged.interpreting()
     if block_n is None:
-        block_n = FP8_BLOCK_N if fp8_kernel else 128 if paged.FP4 in kinds else 64
+        block_n = 128 if paged.FP4 in kinds else (FP8_BLOCK_N if both_fp8 else 64)
     assert paged.is_pow2(block_n) and block_n >= 16, f"block_n must be a power of two >= 16 (got {block_n})"
     group = num_heads // num_kv_heads
     if num_splits is None:
-        per_sm = max(1, 65536 // (cap * 32 * num_warps)) if capped else FP8_PROGRAMS_PER_SM if fp8_kernel else 2
+        per_sm = max(1, 65536 // (cap * 32 * num_warps)) if capped else FP8_PROGRAMS_PER_SM if both_fp8 else 2
         num_splits = num_splits_for(num_seqs, num_kv_heads, max_seq_len, query.device, block_n, per_sm,
                                     fp4_rule=both_fp4)
     split_size, num_splits, out, part_o, part_lse = _split_buffers(query, max_seq_len, num_splits, block_n, out)
     common = dict(
         H=num_kv_heads, GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=head_dim, BS=bs,
-        DT=(tl.float32 if paged.interpreting() else tl.float16) if fp8_kernel else paged.operand_dtype(k_pages, v_pages),
+        DT=(tl.float32 if paged.interpreting() else tl.float16) if both_fp8 else paged.operand_dtype(k_pages, v_pages),
         BLOCK_N=block_n, SPLIT=num_splits > 1, PRECISE=precise_pv,
         ASM=paged.use_asm(query.device) if asm is None else asm, num_warps=num_warps,
     )
     args = (query, out, part_o, part_lse, *paged.page_args(k_pages), *paged.page_args(v_pages),
             block_tables, seq_lens, scale * LOG2E, query.stride(0), query.stride(1), block_tables.stride(0),
             split_size, num_splits)
-    if fp8_kernel:
-        v_fp4 = kinds[1] == paged.FP4
+    if both_fp8:
         _decode_fp8_kernel[(num_kv_heads, num_seqs, num_splits)](
-            query, out, part_o, part_lse, *k_pages, *paged.page_args(v_pages), *args[14:],
-            V_FP4=v_fp4, V_G=formats[1].group(head_dim) if v_fp4 else 1, V_KO=formats[1].outliers if v_fp4 else 0,
-            VDT=paged.operand_dtype(v_pages, v_pages) if v_fp4 else common["DT"],
+            query, out, part_o, part_lse, *k_pages, *v_pages, *args[14:],
             **{k: v for k, v in common.items() if k != "PRECISE"}, num_stages=FP8_STAGES if num_stages is None
             else num_stages)
     elif both_fp4:
