@@ -423,6 +423,8 @@ def serving_paths(args: argparse.Namespace, vocab_size: int) -> tuple[float, lis
 def engine_path(args: argparse.Namespace, vocab_size: int) -> list[dict]:
     """The same workloads through the engine alone, in this process (Serve is gone by now)."""
     from app import LLM, SamplingParams
+    from app.config import ServerConfig
+    from app.deployments.llm_server import set_switch_interval
     from app.engine.async_engine import AsyncLLMEngine
 
     llm = LLM(**engine_settings(args))
@@ -444,6 +446,9 @@ def engine_path(args: argparse.Namespace, vocab_size: int) -> list[dict]:
                                      counters=engine_counters(llm.engine)))
 
     async def sessions() -> list[dict]:
+        # the engine thread and this process's event loop share the GIL as they do in an LLMServer replica:
+        # the same switch interval as the replicas run with (ServerConfig's default)
+        set_switch_interval(ServerConfig().gil_switch_interval_s)
         engine = AsyncLLMEngine(engine=llm.engine)
         try:
             return await run_workloads("engine", args, vocab_size, lambda p, m, st: engine_request(engine, p, m),

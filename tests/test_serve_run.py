@@ -55,10 +55,13 @@ def test_openai_client_against_serve_run(server):
 
 def test_replica_logs_its_start_up_by_phase(server):
     """The engine's INFO lines reach `serve run`'s output (and the replica's log file): its start-up
-    by phase, then the replica's ready line."""
+    by phase, then the replica's ready line; each replica's GIL switch interval."""
     text = LOGS["server"].read_text()
     assert "engine ready in" in text and "(config_and_tokenizer " in text and "cpu_kernels " in text, text[-3000:]
     assert "LLMServer" in text and "computes with" in text
+    # both replicas (LLMServer and OpenAIIngress) run with gil_switch_interval_s, read back from Python
+    lines = [line for line in text.splitlines() if "GIL switch interval 0.5 ms" in line]
+    assert any("LLMServer" in line for line in lines) and any("OpenAIIngress" in line for line in lines), lines
 
 
 def _load_test(url: str, num_requests: int, distinct: bool, max_tokens: int = 128) -> None:

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from app.config import ServerConfig
 from app.deployments import logs
 from app.deployments.errors import parse_request
+from app.deployments.llm_server import set_switch_interval
 from app.deployments.metrics import CONTENT_TYPE
 from app.deployments.protocol import (
     AuthenticationError,
@@ -126,6 +127,7 @@ class OpenAIIngress(OpenAIServing):
     def __init__(self, llm_server: DeploymentHandle, config: ServerConfig | dict) -> None:
         super().__init__(transport_of_this_process(llm_server), config)
         logs.install()  # a client's bad request is a warning line here, not a traceback
+        set_switch_interval(self.config.gil_switch_interval_s)  # streams' Python and Serve's threads share the GIL
         self.api_keys = api_keys(self.config, os.environ)
 
     def _authorize(self, request: Request) -> None:

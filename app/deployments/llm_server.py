@@ -15,6 +15,7 @@ LLMEngine ("native"), or VLLMEngine over vLLM's AsyncLLM ("vllm", app/engine/vll
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +27,7 @@ from app.kv_events.schema import KVEvent
 from app.kv_events.wire import encode_batch
 from app.serving_types import GenerateRequest, ModelInfo
 
-__all__ = ["LLMServer", "GenerateRequest", "ModelInfo"]
+__all__ = ["LLMServer", "GenerateRequest", "ModelInfo", "set_switch_interval"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class LLMServer:
         part of the application (the replica talks to the actor it owns, by name)."""
         self.config = config = ServerConfig.model_validate(config)
         logs.install()  # a client's bad request is a warning line here, not a traceback
+        set_switch_interval(config.gil_switch_interval_s)  # the engine thread waits less for the GIL
         self.replica_id, self._app_name = _replica_identity()
         # The application's index actor (created by its KVIndex deployment; the KV-aware routers
         # follow it, /metrics reads the stats kept there). Looked up lazily and again after it
@@ -194,6 +196,14 @@ class LLMServer:
             engine.shutdown()
         if getattr(self, "_zmq", None) is not None:
             self._zmq.close()
+
+
+def set_switch_interval(seconds: float | None) -> None:
+    """sys.setswitchinterval(seconds) for this process (ServerConfig.gil_switch_interval_s; None leaves
+    Python's), logged as the process then runs with it."""
+    if seconds is not None:
+        sys.setswitchinterval(seconds)
+    logger.info("GIL switch interval %.3g ms", 1e3 * sys.getswitchinterval())
 
 
 def _zmq_publisher(endpoint: str):
