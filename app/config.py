@@ -311,12 +311,13 @@ class ServerConfig(BaseModel):
         default_factory=lambda: RouterConfig(), description="The KV-aware router in front of the replicas."
     )
     gil_switch_interval_s: float | None = Field(
-        0.0005, gt=0, le=0.1, description="Python's thread switch interval (sys.setswitchinterval) in the "
-        "application's LLMServer and OpenAIIngress replicas: how long a thread that wants the GIL waits before "
-        "the running one is made to drop it. An LLMServer's engine thread needs the GIL after each step's wait on "
-        "the device, while the replica's event loop runs Python for the streams (Python's default, 5 ms, then "
-        "delays each step up to 5 ms). 0.5 ms in every process: 32 streaming sessions on an H100 1.43x faster "
-        "through the handle API, 1.23x over HTTP, the engine alone 1.18x (bench/RESULTS.md). None: Python's default.",
+        0.0005, ge=1e-5, le=0.1, description="Python's thread switch interval (sys.setswitchinterval, process-wide) "
+        "in the application's LLMServer and OpenAIIngress replicas: how long a thread that wants the GIL waits "
+        "before the running one must drop it. An LLMServer's engine thread takes the GIL back after each wait on "
+        "the device while the replica's event loop runs the streams' Python; at Python's default (5 ms) it can wait "
+        "that long. On one H100, 32 streaming sessions with 0.5 ms in every process against a run at 5 ms: "
+        "inter-token p50 over the handle API 8.0 ms against 12.4 ms (bench/RESULTS.md, not yet a same-call A/B). "
+        "A Ray program streaming through the handle API can set it in its own process too. None: Python's default.",
     )
     serve_throughput_optimized: bool = Field(
         True, description="Run the application's replicas with Ray Serve's throughput-optimized data plane "

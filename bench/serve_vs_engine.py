@@ -20,6 +20,10 @@ every path generates exactly its max_tokens.
   llm_engine_time_to_first_token_seconds over llm_engine_first_tokens), each over the workload's
   requests (counter deltas).
 
+This process runs with the replicas' GIL switch interval (ServerConfig.gil_switch_interval_s, --server-json):
+it is the handle path's caller and the engine alone's host, where the engine thread shares the GIL with
+the client's event loop as it does with the replica's.
+
 Each path draws its own token ids (same shapes), so no path finds another's prompts in the prefix
 cache. "vs engine" is the path's output tok/s over the engine's on the same workload. With --repeats N
 each workload runs N times per path, each time with new token ids: the run of median wall time (the
@@ -82,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-cache-dtype", default="fp4")
     p.add_argument("--engine-json", default="{}", help="more engine settings, e.g. '{\"max_num_seqs\": 256}'")
+    p.add_argument("--server-json", default="{}",
+                   help="application settings (ServerConfig, the `args:` of serve_config.yaml) other than engine and "
+                        "model_id, e.g. '{\"gil_switch_interval_s\": null}'; gil_switch_interval_s applies to this "
+                        "process too (the handle path's caller, the engine alone's host)")
     p.add_argument("--shapes", type=lambda s: [parse_shape(x) for x in s.split(",") if x],
                    default=[(64, 2048, 128), (128, 4096, 128)], help="throughput shapes NxL+M, comma-separated")
     p.add_argument("--sessions", type=int, default=32, help="0: no session workload")
@@ -105,7 +113,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--paths: some of {PATHS} (got {args.paths})")
     if args.repeats < 1:
         p.error(f"--repeats: at least 1 (got {args.repeats})")
+    try:
+        server_settings(args)
+    except ValueError as e:  # bad JSON, not an object, an unknown or invalid setting
+        p.error(f"--server-json: {e}")
     return args
+
+
+def server_settings(args: argparse.Namespace) -> dict:
+    """--server-json, checked against ServerConfig (a typo fails here, not in the replica); ValueError if bad."""
+    from app.config import ServerConfig
+
+    settings = json.loads(args.server_json)  # JSONDecodeError is a ValueError
+    if not isinstance(settings, dict):
+        raise ValueError(f"a JSON object of settings, e.g. '{{\"gil_switch_interval_s\": null}}' (got {args.server_json})")
+    if {"engine", "model_id"} & settings.keys():
+        raise ValueError("engine settings go in --engine-json, and model_id is the benchmark's")
+    ServerConfig.model_validate(settings)
+    return settings
 
 
 def engine_settings(args: argparse.Namespace) -> dict:
@@ -388,6 +413,7 @@ def serving_paths(args: argparse.Namespace, vocab_size: int) -> tuple[float, lis
         (app,) = config["applications"]
         app["args"]["engine"] = engine  # the engine defaults, not serve_config.yaml's CPU settings
         app["args"]["model_id"] = MODEL_ID
+        app["args"].update(server_settings(args))
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as serve_run's `serve run`, which joins this instance
     context = ray.init(include_dashboard=False, log_to_driver=False)
@@ -423,8 +449,6 @@ def serving_paths(args: argparse.Namespace, vocab_size: int) -> tuple[float, lis
 def engine_path(args: argparse.Namespace, vocab_size: int) -> list[dict]:
     """The same workloads through the engine alone, in this process (Serve is gone by now)."""
     from app import LLM, SamplingParams
-    from app.config import ServerConfig
-    from app.deployments.llm_server import set_switch_interval
     from app.engine.async_engine import AsyncLLMEngine
 
     llm = LLM(**engine_settings(args))
@@ -446,9 +470,6 @@ def engine_path(args: argparse.Namespace, vocab_size: int) -> list[dict]:
                                      counters=engine_counters(llm.engine)))
 
     async def sessions() -> list[dict]:
-        # the engine thread and this process's event loop share the GIL as they do in an LLMServer replica:
-        # the same switch interval as the replicas run with (ServerConfig's default)
-        set_switch_interval(ServerConfig().gil_switch_interval_s)
         engine = AsyncLLMEngine(engine=llm.engine)
         try:
             return await run_workloads("engine", args, vocab_size, lambda p, m, st: engine_request(engine, p, m),
@@ -501,6 +522,13 @@ def to_markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    from app.config import ServerConfig
+    from app.deployments.llm_server import set_switch_interval
+
+    # This process is the handle path's caller (Serve's router thread and the client's event loop share its
+    # GIL) and the engine alone's host (the engine thread and the client's loop): the replicas' switch interval.
+    switch_interval = ServerConfig.model_validate(server_settings(args)).gil_switch_interval_s
+    set_switch_interval(switch_interval)
     vocab = vocab_size(args)
     ready_s, rows = None, []
     if {"http", "handle"} & set(args.paths):
@@ -511,10 +539,12 @@ def main(argv: list[str] | None = None) -> dict:
     rows = with_ratios(sorted(rows, key=lambda r: (order[r["workload"]], PATHS.index(r["path"]))))
     command = "python bench/serve_vs_engine.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     ready = "n/a" if ready_s is None else f"{ready_s:.1f} s"
-    print(f"\n`{command}`\n\n{time.strftime('%Y-%m-%d %H:%M')}, engine {engine_settings(args)}; replica ready "
-          f"(from `serve run` to an answered 1-token completion): {ready}\n")
+    print(f"\n`{command}`\n\n{time.strftime('%Y-%m-%d %H:%M')}, engine {engine_settings(args)}, application "
+          f"{server_settings(args)}, GIL switch interval {switch_interval}; replica ready (from `serve run` to an "
+          f"answered 1-token completion): {ready}\n")
     print(to_markdown(rows))
-    result = {"command": command, "engine": engine_settings(args), "ready_s": ready_s, "rows": rows}
+    result = {"command": command, "engine": engine_settings(args), "server": server_settings(args),
+              "gil_switch_interval_s": switch_interval, "ready_s": ready_s, "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

@@ -214,3 +214,28 @@ def test_replicas_get_serve_throughput_optimized_env(monkeypatch):
     assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in env and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     off = config.model_copy(update={"serve_throughput_optimized": False})
     assert builder.with_serve_env(off, {"num_cpus": 1}) == {"num_cpus": 1}
+
+
+def test_a_replica_runs_with_its_gil_switch_interval():
+    """LLMServer sets gil_switch_interval_s for its process (the value configured, read back from Python), None
+    leaves the process's; the setting refuses intervals CPython cannot hold (it keeps whole microseconds)."""
+    import sys
+
+    from pydantic import ValidationError
+
+    from app.deployments.llm_server import LLMServer
+
+    before = sys.getswitchinterval()
+    try:
+        server = LLMServer({"gil_switch_interval_s": 0.002})  # the CPU default engine (tiny-llama)
+        server.engine.shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+        server = LLMServer({"gil_switch_interval_s": None})
+        server.engine.shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+    finally:
+        sys.setswitchinterval(before)
+    assert ServerConfig().gil_switch_interval_s == 0.0005
+    for bad in (0, 1e-7, 1.0):
+        with pytest.raises(ValidationError, match="gil_switch_interval_s"):
+            ServerConfig(gil_switch_interval_s=bad)

@@ -43,11 +43,15 @@ def test_serve_vs_engine_runs_and_its_counts_add_up(tmp_path):
 
 
 def test_arguments_are_checked_before_anything_starts():
-    """Bad --repeats or --paths stop the benchmark at parsing (exit 2), before Ray or Serve start."""
+    """Bad --repeats, --paths or --server-json stop the benchmark at parsing (exit 2), before Ray or Serve start."""
     from bench import serve_vs_engine
 
-    for argv in (["--repeats", "0"], ["--paths", "http,grpc"]):
+    for argv in (["--repeats", "0"], ["--paths", "http,grpc"], ["--server-json", '{"engine": {}}'],
+                 ["--server-json", '{"gil_switch_interval": 1}'], ["--server-json", "[1]"],
+                 ["--server-json", "{"], ["--server-json", '{"gil_switch_interval_s": 0}']):
         with pytest.raises(SystemExit) as info:
             serve_vs_engine.parse_args(argv)
         assert info.value.code == 2
     assert serve_vs_engine.parse_args(["--repeats", "3"]).repeats == 3
+    args = serve_vs_engine.parse_args(["--server-json", '{"gil_switch_interval_s": null}'])
+    assert serve_vs_engine.server_settings(args) == {"gil_switch_interval_s": None}
