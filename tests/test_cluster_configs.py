@@ -218,14 +218,20 @@ def test_replicas_get_serve_throughput_optimized_env(monkeypatch):
 
 def test_a_replica_runs_with_its_gil_switch_interval():
     """LLMServer sets gil_switch_interval_s for its process (the value configured, read back from Python), None
-    leaves the process's; the setting refuses intervals CPython cannot hold (it keeps whole microseconds)."""
+    leaves the process's; the setting refuses intervals CPython cannot hold (it keeps whole microseconds). The
+    replica's constructor also routes the project's loggers through Serve's handlers (logs.install): undone
+    here, so that later tests' log capture still sees them."""
+    import logging
     import sys
 
     from pydantic import ValidationError
 
+    from app.deployments import logs
     from app.deployments.llm_server import LLMServer
 
     before = sys.getswitchinterval()
+    project, serve_logger = logging.getLogger(logs.PROJECT_LOGGER), logging.getLogger(logs.SERVE_LOGGER)
+    saved = project.handlers[:], project.propagate, project.level, serve_logger.filters[:]
     try:
         server = LLMServer({"gil_switch_interval_s": 0.002})  # the CPU default engine (tiny-llama)
         server.engine.shutdown()
@@ -235,6 +241,8 @@ def test_a_replica_runs_with_its_gil_switch_interval():
         assert sys.getswitchinterval() == pytest.approx(0.002)
     finally:
         sys.setswitchinterval(before)
+        project.handlers[:], project.propagate, serve_logger.filters[:] = saved[0], saved[1], saved[3]
+        project.setLevel(saved[2])
     assert ServerConfig().gil_switch_interval_s == 0.0005
     for bad in (0, 1e-7, 1.0):
         with pytest.raises(ValidationError, match="gil_switch_interval_s"):
