@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.repeats < 1:
         p.error(f"--repeats: at least 1 (got {args.repeats})")
     try:
-        server_settings(args)
+        args.server = server_settings(args)
     except ValueError as e:  # bad JSON, not an object, an unknown or invalid setting
         p.error(f"--server-json: {e}")
     return args
@@ -413,7 +413,7 @@ def serving_paths(args: argparse.Namespace, vocab_size: int) -> tuple[float, lis
         (app,) = config["applications"]
         app["args"]["engine"] = engine  # the engine defaults, not serve_config.yaml's CPU settings
         app["args"]["model_id"] = MODEL_ID
-        app["args"].update(server_settings(args))
+        app["args"].update(args.server)
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as serve_run's `serve run`, which joins this instance
     context = ray.init(include_dashboard=False, log_to_driver=False)
@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # This process is the handle path's caller (Serve's router thread and the client's event loop share its
     # GIL) and the engine alone's host (the engine thread and the client's loop): the replicas' switch interval.
-    switch_interval = ServerConfig.model_validate(server_settings(args)).gil_switch_interval_s
+    switch_interval = ServerConfig.model_validate(args.server).gil_switch_interval_s
     set_switch_interval(switch_interval)
     vocab = vocab_size(args)
     ready_s, rows = None, []
@@ -540,10 +540,10 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python bench/serve_vs_engine.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     ready = "n/a" if ready_s is None else f"{ready_s:.1f} s"
     print(f"\n`{command}`\n\n{time.strftime('%Y-%m-%d %H:%M')}, engine {engine_settings(args)}, application "
-          f"{server_settings(args)}, GIL switch interval {switch_interval}; replica ready (from `serve run` to an "
+          f"{args.server}, GIL switch interval {switch_interval}; replica ready (from `serve run` to an "
           f"answered 1-token completion): {ready}\n")
     print(to_markdown(rows))
-    result = {"command": command, "engine": engine_settings(args), "server": server_settings(args),
+    result = {"command": command, "engine": engine_settings(args), "server": args.server,
               "gil_switch_interval_s": switch_interval, "ready_s": ready_s, "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

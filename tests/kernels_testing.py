@@ -68,6 +68,14 @@ def block_tables(seq_lens: list[int], block_size: int, seed: int = 0) -> tuple[t
     return table, num_blocks
 
 
+def pages_to(pages, device):
+    """One side's pages (dense tensor, fp8 (values, scale) or FP4Tensor) moved to `device`, same type."""
+    if isinstance(pages, torch.Tensor):
+        return pages.to(device)
+    moved = [t.to(device) for t in pages]
+    return type(pages)(*moved) if hasattr(pages, "_fields") else tuple(moved)
+
+
 def cuda_fp4_pages(seq_lens, kv_heads, block_size, formats, seed, v_mult=1.0):
     """(block table, K pages, V pages) on the GPU: Llama-like keys and normal values (x v_mult)
     quantized to fp4 with `formats`, blocks shuffled (block_tables)."""
@@ -76,8 +84,7 @@ def cuda_fp4_pages(seq_lens, kv_heads, block_size, formats, seed, v_mult=1.0):
     k = keys_like_llama(num_blocks, block_size, kv_heads, 128, gen=gen)
     v = torch.randn(num_blocks, block_size, kv_heads, 128, generator=gen) * v_mult
     kp, vp = (paged.quantize_pages(x, "fp4", f) for x, f in zip((k, v), formats))
-    cuda = [t.cuda() for t in (*kp, *vp)]
-    return table.cuda(), type(kp)(*cuda[:5]), type(vp)(*cuda[5:])
+    return table.cuda(), pages_to(kp, "cuda"), pages_to(vp, "cuda")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -12,7 +12,7 @@ import torch
 from app.kernels.attention_ref import decode_attention_ref
 from app.kernels.decode_attention import FP4_SPLIT_TOKENS, DecodeOptions, decode_attention, fp4_splits, split_cost
 from app.kernels import paged
-from kernels_testing import block_tables, random_pages, rel_err
+from kernels_testing import block_tables, pages_to, random_pages, rel_err
 
 ODD_LENGTHS = [1, 15, 16, 17, 1025, 1027]
 SHORT = [1, 15, 16, 17, 100]  # the interpreter is slow: long sequences only where they add something
@@ -155,9 +155,8 @@ def test_fp8_kernel_at_extreme_magnitudes(device, num_splits):
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     ref = decode_attention_ref(q.bfloat16(), k_pages, v_pages, table, lens, d ** -0.5, (None, None))
     dev = torch.device(device)
-    move = lambda t: tuple(x.to(dev) for x in t)  # noqa: E731
     out = torch.full((len(seq_lens), kv_heads * group, d), float("nan"), dtype=torch.bfloat16, device=dev)
-    decode_attention(q.bfloat16().to(dev), move(k_pages), move(v_pages), table.to(dev), lens.to(dev), d ** -0.5,
+    decode_attention(q.bfloat16().to(dev), pages_to(k_pages, dev), pages_to(v_pages, dev), table.to(dev), lens.to(dev), d ** -0.5,
                      max(seq_lens), out=out, options=DecodeOptions(num_splits=num_splits))
     # per sequence: each one's outputs have their own magnitude (its values' scales)
     for i in range(len(seq_lens)):
@@ -179,9 +178,8 @@ def test_fp8_keys_with_fp4_values_on_the_device(device, group, head_dim, block_s
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     ref = decode_attention_ref(q, k_pages, v_pages, table, lens, head_dim ** -0.5, formats)
     dev = torch.device(device)
-    move = lambda p: type(p)(*(t.to(dev) for t in p)) if hasattr(p, "_fields") else tuple(t.to(dev) for t in p)  # noqa: E731
     out = torch.full_like(q, float("nan"), device=dev)
-    decode_attention(q.to(dev), move(k_pages), move(v_pages), table.to(dev), lens.to(dev), head_dim ** -0.5,
+    decode_attention(q.to(dev), pages_to(k_pages, dev), pages_to(v_pages, dev), table.to(dev), lens.to(dev), head_dim ** -0.5,
                      max(seq_lens), formats, out=out, options=DecodeOptions(num_splits=num_splits))
     assert rel_err(out.cpu(), ref) < 1e-2
 
