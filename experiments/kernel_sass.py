@@ -140,7 +140,7 @@ def main() -> None:
     import triton
     import triton.language as tl
 
-    from app.kernels import decode_fp4_gluon
+    from app.kernels import decode_fp4_gluon, decode_fp8_gluon
     from app.kernels.decode_attention import FP8_BLOCK_N, FP8_STAGES, _decode_fp4_kernel, _decode_fp8_kernel, _decode_kernel
 
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -156,6 +156,9 @@ def main() -> None:
     fp8_sig = dict({k: v for k, v in SIG.items() if k not in PAGE_SIG}, k_vals="*u8", k_scale="*fp32",
                    v_vals="*u8", v_scale="*fp32")
     fp8_args = {"DT": tl.float16}
+    fp8_gluon_sig = dict(fp8_sig, block_tables_ptr="*i64", seq_lens_ptr="*i64")  # the engine's tables
+    fp8_gluon_args = {"TW": decode_fp8_gluon.TW, "OFF64": False, "PREFETCH": decode_fp8_gluon.PREFETCH,
+                      **decode_fp8_gluon.layouts()}
     gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, "STAGES": decode_fp4_gluon.STAGES,
                   "F16": True, "PAIR": None, "KG8": False, "QVEC": decode_fp4_gluon.QUERY_VECTOR,
                   **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default
@@ -182,6 +185,12 @@ def main() -> None:
         ("fp4 kernel, registers uncapped, 2 stages", _decode_fp4_kernel, SIG, fp4_args, 4, 2, None, 128, 1),
         ("generic kernel on fp4 pages (before)", _decode_kernel, SIG, generic_fp4, 4, 2, None, 128, 1),
         ("generic kernel on bf16 pages", _decode_kernel, dense_sig, dense, 4, 2, None, 64, 1),
+        ("Gluon fp8 kernel", decode_fp8_gluon._decode_fp8_gluon_kernel, fp8_gluon_sig, fp8_gluon_args, 4, 1, None,
+         64, 1),
+        ("Gluon fp8 kernel, no prefetch", decode_fp8_gluon._decode_fp8_gluon_kernel, fp8_gluon_sig,
+         dict(fp8_gluon_args, PREFETCH=False), 4, 1, None, 64, 1),
+        ("Gluon fp8 kernel, prefetch at 128 registers", decode_fp8_gluon._decode_fp8_gluon_kernel, fp8_gluon_sig,
+         dict(fp8_gluon_args, PREFETCH=True), 4, 1, 128, 64, 1),
         ("fp8 kernel (fp8 K and V)", _decode_fp8_kernel, fp8_sig, fp8_args, 4, FP8_STAGES, None, FP8_BLOCK_N, 1),
         ("generic kernel on fp8-fp4 pages", _decode_kernel, dict(SIG, k0="*u8", k1="*fp32", k2="*fp32",
          k3="*fp32", k4="*fp32"), dict(generic_fp4, K_KIND=1, K_G=1, K_KO=0), 4, 2, None, 64, 1),
@@ -195,9 +204,9 @@ def main() -> None:
                 pair = 0
                 if fn.is_gluon():  # its own parameters only
                     const = dict({"SPLIT": True}, H=heads, GROUP=group, BS=16, **extra)
-                    if const["PAIR"] is None:
+                    if "PAIR" in const and const["PAIR"] is None:
                         const["PAIR"] = decode_fp4_gluon.pair_min_tiles(group, const["STAGES"])
-                    pair = const["PAIR"]
+                    pair = const.get("PAIR", 0)
                     if pair:
                         maxnreg, tiles = decode_fp4_gluon.PAIR_MAXNREG, 4
                 def build(const):
@@ -221,7 +230,7 @@ def main() -> None:
                                       "ops": dict(counts), "copies": copies}), flush=True)
                     continue
                 top = ", ".join(f"{op} {n}" for op, n in counts.most_common(8))
-                print(f"{model:8s} {name:42s}{' (pairs)' if pair else ''}{' (q 2-byte)' if fn.is_gluon() and not qvec else ''} regs {regs:>3s} stack {stack:>3s} | loop "
+                print(f"{model:8s} {name:42s}{' (pairs)' if pair else ''}{' (q 2-byte)' if 'QVEC' in const and not qvec else ''} regs {regs:>3s} stack {stack:>3s} | loop "
                       f"{len(ops):5d} / thread ({tiles} tile{'s' if tiles > 1 else ''}), {per_token_head:5.1f} / "
                       f"(token, KV head) | {top}",
                       flush=True)

@@ -266,5 +266,5 @@ def test_decode_options_refuse_what_no_kernel_runs():
         DecodeOptions(kernel="fp8", precise_pv=True)
     with pytest.raises(ValueError, match="the fp8 kernel reads fp8 K and V pages"):
         _run("fp4", [17, 40], 1, 4, 64, 16, kernel="fp8")
-    with pytest.raises(ValueError, match="the Gluon fp4 kernel cannot run this decode"):
+    with pytest.raises(ValueError, match="the Gluon fp8 kernel cannot run this decode: head_dim 64"):
         _run("fp8", [17, 40], 1, 4, 64, 16, kernel="gluon")

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from app.kernels import decode_fp4_gluon, paged
+from app.kernels import decode_fp4_gluon, decode_fp8_gluon, paged
 from app.kernels.fp4 import FP4Format
 
 LOG2E = 1.4426950408889634
@@ -62,6 +62,8 @@ PROGRAM_COST_TOKENS = 160
 # head) on Triton 3.6 for sm_90 (128-token tiles: 35, at 179 registers); splits planned as the generic
 # kernel's. Not yet swept on a GPU.
 FP8_BLOCK_N, FP8_STAGES, FP8_PROGRAMS_PER_SM = 64, 2, 2
+# fp8 K and V pages run decode_fp8_gluon's kernel where it can (its `unsupported`), else _decode_fp8_kernel.
+FP8_GLUON = True
 SHARED_SM_SLOWDOWN = {1: 1.5, 2: 1.12, 3: 1.03}  # programs on an SM (fewer than its slots) -> per-token cost
 
 
@@ -434,9 +436,10 @@ class DecodeOptions:
     none.
 
     kernel: None (the rule: the Gluon kernel for fp4 K and V pages in decode_fp4_gluon's scope,
-    _decode_fp4_kernel for other fp4 pages with head_dim >= 128, _decode_fp8_kernel for fp8 K and V
-    pages, _decode_kernel for everything else), "gluon" (required: ValueError naming why it cannot
-    run), "fp4" (_decode_fp4_kernel), "fp8" (_decode_fp8_kernel) or "generic" (_decode_kernel, any
+    _decode_fp4_kernel for other fp4 pages with head_dim >= 128, decode_fp8_gluon's kernel for fp8 K and V
+    pages in its scope (while FP8_GLUON), _decode_fp8_kernel for other fp8 K and V pages, _decode_kernel for
+    everything else), "gluon" (the pages' Gluon kernel, fp4 or fp8, required: ValueError naming why it
+    cannot run), "fp4" (_decode_fp4_kernel), "fp8" (_decode_fp8_kernel) or "generic" (_decode_kernel, any
     pages). num_splits: the split count (None: num_splits_for's rule).
     Triton kernels only: block_n, tokens per tile (None: 128 for fp4 pages, FP8_BLOCK_N for the fp8
     kernel, 64 otherwise, the fastest in docs/history.md); num_warps; precise_pv: the PV product from p
@@ -453,7 +456,9 @@ class DecodeOptions:
     Gluon kernel only: fp16, its code-to-number map, fp16 MMAs (True) or bf16 (False) (None:
     decode_fp4_gluon.F16_DEFAULT); pair, tile pairs (two tiles per pass in the MMA's padding columns, at
     most 4 query heads per KV head and a 4-tile ring) for splits with at least this many whole tiles, 0
-    never (None: decode_fp4_gluon.PAIR_MIN_TILES)."""
+    never (None: decode_fp4_gluon.PAIR_MIN_TILES). The fp8 Gluon kernel: prefetch, the next whole tile's loads
+    issued before the current one is attended (None: decode_fp8_gluon.PREFETCH); maxnreg applies (None:
+    uncapped)."""
 
     kernel: str | None = None
     num_splits: int | None = None
@@ -465,6 +470,7 @@ class DecodeOptions:
     maxnreg: int | None = None
     fp16: bool | None = None
     pair: int | None = None
+    prefetch: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in (None, "gluon", "fp4", "fp8", "generic"):
@@ -508,15 +514,24 @@ def decode_attention(
     kinds = (paged.page_kind(k_pages), paged.page_kind(v_pages))
     fp4_pages, fp8_pages = kinds == (paged.FP4, paged.FP4), kinds == (paged.FP8, paged.FP8)
     if kernel in (None, "gluon"):
-        why = "K and V pages are not both fp4"
+        why = "K and V pages are not both fp4 or both fp8"
         if precise_pv:
             why = "precise_pv runs a Triton kernel"
         elif fp4_pages:
             why = decode_fp4_gluon.unsupported(query, k_pages, v_pages, formats, bs, num_stages)
             if why is None and asm is False:
                 why = "asm=False asks for the plain-Triton unpack"
+        elif fp8_pages:
+            why = decode_fp8_gluon.unsupported(query, k_pages, v_pages, bs)
+            if why is None and asm is False:
+                why = "asm=False asks for the plain-Triton conversion"
+            elif why is None and kernel is None and not FP8_GLUON:
+                why = "FP8_GLUON is off"
         if kernel == "gluon" and why is not None:
-            raise ValueError(f"the Gluon fp4 kernel cannot run this decode: {why}")
+            raise ValueError(f"the Gluon {'fp8' if fp8_pages else 'fp4'} kernel cannot run this decode: {why}")
+        if why is None and fp8_pages:
+            return _decode_fp8_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, num_splits,
+                                     out, maxnreg, o.prefetch)
         if why is None:
             return _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats,
                                  num_splits, out, maxnreg, num_stages, o.fp16, o.pair)
@@ -606,6 +621,23 @@ def _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_se
                                     launch.programs_per_sm(), fp4_rule=True)
     split_size, num_splits, out, part_o, part_lse = _split_buffers(query, max_seq_len, num_splits, tile, out)
     launch.run(out, part_o, part_lse, split_size, num_splits)
+    _merge_splits(part_o, part_lse, out, num_splits)
+    return out
+
+
+def _decode_fp8_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, num_splits, out,
+                      maxnreg: int | None, prefetch: bool | None) -> torch.Tensor:
+    const = decode_fp8_gluon.constexprs(query, k_pages, v_pages, prefetch)
+    if maxnreg:
+        const["maxnreg"] = maxnreg
+    tile = decode_fp8_gluon.W * decode_fp8_gluon.TW
+    if num_splits is None:
+        per_sm = decode_fp8_gluon.programs_per_sm(query, k_pages, v_pages, block_tables, seq_lens, const)
+        num_splits = num_splits_for(query.shape[0], k_pages[0].shape[2], max_seq_len, query.device, tile, per_sm,
+                                    fp4_rule=True)
+    split_size, num_splits, out, part_o, part_lse = _split_buffers(query, max_seq_len, num_splits, tile, out)
+    decode_fp8_gluon.launch(query, k_pages, v_pages, block_tables, seq_lens, scale * LOG2E, out, part_o, part_lse,
+                            split_size, num_splits, const)
     _merge_splits(part_o, part_lse, out, num_splits)
     return out
 

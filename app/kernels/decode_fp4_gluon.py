@@ -1014,6 +1014,32 @@ if AVAILABLE:
         _wait_group(0)
         return m_i, l_i, acc
 
+    @gluon.jit
+    def store_output(o, m_all, l_tot, empty, out_ptr, part_o_ptr, part_lse_ptr, b, h, sp, num_splits, H: gl.constexpr,
+                     GROUP: gl.constexpr, SPLIT: gl.constexpr):
+        """A program's normalized O^T [D, NH] (row 16 i + 8 hr + g holding head dimension 16 g + 2 i + hr, the
+        values' operand order) into the output (SPLIT False) or into its split's partial output and log-sum-exp
+        m_all + log2(l_tot) (-inf where empty); columns past GROUP are padding, not stored."""
+        D: gl.constexpr = o.shape[0]
+        NH: gl.constexpr = o.shape[1]
+        OL: gl.constexpr = o.type.layout
+        mrow = gl.arange(0, D, layout=gl.SliceLayout(1, OL))
+        dim_o = 16 * (mrow & 7) + 2 * (mrow >> 4) + ((mrow >> 3) & 1)
+        n_o = gl.arange(0, NH, layout=gl.SliceLayout(0, OL))
+        heads = h * GROUP + n_o
+        o_mask = gl.expand_dims(n_o < GROUP, 0) & gl.expand_dims(mrow >= 0, 1)
+        if not SPLIT:
+            o_ptr = out_ptr + gl.expand_dims((b * (H * GROUP) + heads).to(gl.int64) * D, 0) + gl.expand_dims(dim_o, 1)
+            gl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            part = (b * (H * GROUP) + heads).to(gl.int64) * num_splits + sp  # [NH]
+            gl.store(part_o_ptr + gl.expand_dims(part * D, 0) + gl.expand_dims(dim_o, 1), o, mask=o_mask)
+            LL: gl.constexpr = l_tot.type.layout
+            lse = gl.where(empty, float("-inf"), m_all + gl.log2(gl.where(empty, 1.0, l_tot)))
+            n_l = gl.arange(0, NH, layout=LL)
+            part_l = (b * (H * GROUP) + h * GROUP + n_l).to(gl.int64) * num_splits + sp
+            gl.store(part_lse_ptr + part_l, lse, mask=n_l < GROUP)
+
     @gluon.jit(do_not_specialize=("split_size", "num_splits"))  # as decode_attention.SPLIT_ARGS
     def _decode_fp4_gluon_kernel(
         q_ptr, qt_ptr, out_ptr, part_o_ptr, part_lse_ptr,
@@ -1235,23 +1261,7 @@ if AVAILABLE:
         o = gl.sum(acc * gl.expand_dims(wgt * gl.expand_dims(inv, 0), 1), 0)  # [D, NH]
         if PAIR > 0:
             o = gl.where(use_pair, o + _partner(o), o)
-        OL: gl.constexpr = o.type.layout
-        mrow = gl.arange(0, D, layout=gl.SliceLayout(1, OL))
-        dim_o = 16 * (mrow & 7) + 2 * (mrow >> 4) + ((mrow >> 3) & 1)
-        n_o = gl.arange(0, NH, layout=gl.SliceLayout(0, OL))
-        heads = h * GROUP + n_o
-        o_mask = gl.expand_dims(n_o < GROUP, 0) & gl.expand_dims(mrow >= 0, 1)
-        if not SPLIT:
-            o_ptr = out_ptr + gl.expand_dims((b * (H * GROUP) + heads).to(gl.int64) * D, 0) + gl.expand_dims(dim_o, 1)
-            gl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=o_mask)
-        else:
-            part = (b * (H * GROUP) + heads).to(gl.int64) * num_splits + sp  # [NH]
-            gl.store(part_o_ptr + gl.expand_dims(part * D, 0) + gl.expand_dims(dim_o, 1), o, mask=o_mask)
-            LL: gl.constexpr = l_tot.type.layout
-            lse = gl.where(empty, float("-inf"), m_all + gl.log2(gl.where(empty, 1.0, l_tot)))
-            n_l = gl.arange(0, NH, layout=LL)
-            part_l = (b * (H * GROUP) + h * GROUP + n_l).to(gl.int64) * num_splits + sp
-            gl.store(part_lse_ptr + part_l, lse, mask=n_l < GROUP)
+        store_output(o, m_all, l_tot, empty, out_ptr, part_o_ptr, part_lse_ptr, b, h, sp, num_splits, H, GROUP, SPLIT)
 
 
 def unsupported(query, k_pages, v_pages, formats, block_size: int, num_stages: int | None = None) -> str | None:

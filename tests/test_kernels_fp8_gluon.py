@@ -1,0 +1,202 @@
+"""The Gluon fp8 decode kernel (app/kernels/decode_fp8_gluon.py).
+
+Gluon kernels do not run under Triton's interpreter, so the default suite checks what needs no GPU: the
+kernel compiles for sm_90 (every build, with the installed Triton: its layouts convert without moving
+data, which the compiler checks), `unsupported` names why a decode falls back, and the fallback (the
+Triton fp8 kernel) is what runs where it cannot.
+
+On a CUDA GPU (`TRITON_INTERPRET=0 python -m pytest tests/test_kernels_fp8_gluon.py`) it is checked
+against float32 attention over the same pages and against the Triton fp8 kernel, per sequence and query
+head: odd lengths (partial tiles), GQA 1, 2, 3, 4 and 8, one split and many, each build (prefetch or not,
+capped at 128 registers), values whose scales span 2^-60 .. 2^60, 64-bit offsets, and the engine's inputs
+(int64 tables and lengths, no options), which must take it. Bound as in test_kernels_gluon.py: 1e-2.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from app.kernels import decode_fp8_gluon, fp8, paged
+from app.kernels.attention_ref import decode_attention_ref
+from app.kernels.decode_attention import DecodeOptions, decode_attention
+from kernels_testing import block_tables, keys_like_llama, pages_to
+
+needs_gluon = pytest.mark.skipif(not decode_fp8_gluon.AVAILABLE, reason="this Triton has no Gluon")
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or paged.interpreting()
+                            or torch.cuda.get_device_capability() < (8, 9),
+                            reason="needs a CUDA GPU of sm_89+ and TRITON_INTERPRET=0")
+
+
+def _fp8_pages(seq_lens, kv_heads, block_size, seed, device="cpu", v_scales=False):
+    """(block table, K pages, V pages): Llama-like keys and normal values quantized to fp8, blocks shuffled;
+    v_scales: each value vector times 2^u, u uniform in -60..60."""
+    table, num_blocks = block_tables(seq_lens, block_size, seed)
+    gen = torch.Generator().manual_seed(seed)
+    k = keys_like_llama(num_blocks, block_size, kv_heads, 128, gen=gen)
+    v = torch.randn(num_blocks, block_size, kv_heads, 128, generator=gen)
+    if v_scales:
+        v = v * torch.exp2(torch.randint(-60, 61, (num_blocks, block_size, kv_heads, 1), generator=gen).float())
+    return table.to(device), pages_to(fp8.fp8_quantize(k), device), pages_to(fp8.fp8_quantize(v), device)
+
+
+def test_unsupported_names_the_reason():
+    def why(head_dim=128, heads=8, kv_heads=2, block_size=16, offset=0):
+        q = torch.zeros(1, heads, head_dim, dtype=torch.bfloat16)
+        k = fp8.fp8_quantize(torch.zeros(1, block_size, kv_heads, head_dim))
+        v = fp8.fp8_quantize(torch.zeros(1, block_size, kv_heads, head_dim))
+        if offset:  # K's E4M3 array starting `offset` bytes into its storage
+            moved = torch.zeros(k[0].numel() + offset, dtype=torch.uint8)[offset:].view(k[0].shape)
+            k = (moved.view(torch.float8_e4m3fn), k[1])
+        return decode_fp8_gluon.unsupported(q, k, v, block_size)
+
+    assert why(head_dim=64) == "head_dim 64 (needs 128)"
+    assert why(heads=32, kv_heads=2) == "more than 8 query heads per KV head"
+    assert why(block_size=8) == "block_size 8 not a multiple of 16"
+    assert why(offset=4) == "E4M3 arrays not 16-byte aligned (read by 16-byte loads)"
+    cpu = "Gluon kernels run on CUDA, not on CPU or under TRITON_INTERPRET"
+    assert why() == (cpu if decode_fp8_gluon.AVAILABLE else "this Triton has no Gluon")
+
+
+def test_where_it_cannot_run_the_triton_fp8_kernel_does():
+    """On the CPU (interpreted) the rule runs the Triton fp8 kernel: the default equals kernel="fp8" bit for
+    bit, and kernel="gluon" is a ValueError naming why the Gluon kernel cannot run."""
+    if not paged.interpreting():
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1")
+    seq_lens = [1, 40]
+    table, kp, vp = _fp8_pages(seq_lens, 2, 16, seed=1)
+    query = torch.randn(len(seq_lens), 8, 128).bfloat16()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    default = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens))
+    triton_fp8 = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens),
+                                  options=DecodeOptions(kernel="fp8"))
+    assert torch.equal(default, triton_fp8)
+    with pytest.raises(ValueError, match="the Gluon fp8 kernel cannot run this decode: Gluon kernels run on CUDA"):
+        decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), options=DecodeOptions(kernel="gluon"))
+
+
+@needs_gluon
+def test_every_build_compiles_for_sm_90():
+    """Each build compiles for sm_90 with the installed Triton at both shapes (8B, 70B at TP 8), through
+    experiments/kernel_sass.py in a process of its own (Gluon does not compile under the interpreter this
+    suite runs): the operand layouts' conversions (assert_trivial) hold and the builds the timings compare
+    exist (prefetch or not, prefetch capped at 128 registers). Registers are not pinned: they differ by Triton."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, os.path.join(root, "experiments", "kernel_sass.py"), "--only", "Gluon fp8",
+                          "--json"], capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"),
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert sorted((r["model"], r["kernel"]) for r in rows) == sorted(
+        (m, k) for m in ("8B", "70B-TP8") for k in ("Gluon fp8 kernel", "Gluon fp8 kernel, no prefetch",
+                                                    "Gluon fp8 kernel, prefetch at 128 registers"))
+    assert all(r["regs"] > 0 and r["ops"]["HMMA"] > 0 for r in rows)
+    assert all(r["regs"] <= 128 for r in rows if "128" in r["kernel"])
+
+
+SEQ_LENS = [1, 15, 16, 17, 63, 64, 65, 1025, 1027, 4099]
+
+
+def _worst_rel_err(out, ref):
+    """The largest relative error over (sequence, query head)."""
+    assert not out.isnan().any(), "NaN in the output: an element was never written"
+    diff = (out.float() - ref.float()).norm(dim=-1)
+    return (diff / ref.float().norm(dim=-1).clamp_min(1e-6)).max().item()
+
+
+@on_gpu
+@needs_gluon
+@pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 1), (2, 2), (2, 3)])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+@pytest.mark.parametrize("prefetch,maxnreg", [(True, None), (False, None), (True, 128)])
+def test_matches_reference_on_gpu(kv_heads, group, num_splits, prefetch, maxnreg):
+    table, kp, vp = _fp8_pages(SEQ_LENS, kv_heads, 16, seed=kv_heads + group, device="cuda")
+    query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
+    assert decode_fp8_gluon.unsupported(query, kp, vp, 16) is None
+    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
+    out = torch.full_like(query, float("nan"))
+    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), out=out,
+                     options=DecodeOptions(kernel="gluon", num_splits=num_splits, prefetch=prefetch, maxnreg=maxnreg))
+    ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, (None, None))
+    assert _worst_rel_err(out, ref) < 1e-2
+    triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS),
+                                  options=DecodeOptions(kernel="fp8", num_splits=num_splits))
+    assert _worst_rel_err(out, triton_out) < 1e-2
+
+
+@on_gpu
+@needs_gluon
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_extreme_magnitudes_on_gpu(num_splits):
+    """Queries of 3e5 (past fp16's range) and 3e-6 (below its normal range), values whose scales span
+    2^-60 .. 2^60: the query goes in times a power of two, the probabilities times the values' scales, at most 1."""
+    seq_lens = [33, 200, 1, 1027]
+    table, kp, vp = _fp8_pages(seq_lens, 2, 16, seed=5, device="cuda", v_scales=True)
+    query = torch.randn(len(seq_lens), 8, 128, device="cuda")
+    query[0] *= 3e5
+    query[2] *= 3e-6
+    query = query.bfloat16()
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens),
+                           options=DecodeOptions(kernel="gluon", num_splits=num_splits))
+    ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, (None, None))
+    for i in range(len(seq_lens)):  # each sequence's outputs have their own magnitude
+        assert _worst_rel_err(out[i:i + 1], ref[i:i + 1].to(out.device)) < 1e-2, i
+
+
+@on_gpu
+@needs_gluon
+def test_default_route_is_gluon_with_engine_inputs_on_gpu():
+    """What the engine passes: int64 block tables and sequence lengths, no options, pages of 32 tokens; also
+    an fp16 query. The default is the Gluon kernel: bit-equal to kernel="gluon", not to the Triton fp8 kernel."""
+    table, kp, vp = _fp8_pages(SEQ_LENS, 8, 32, seed=3, device="cuda")
+    table = table.long()
+    lens = torch.tensor(SEQ_LENS, dtype=torch.int64, device="cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        query = torch.randn(len(SEQ_LENS), 32, 128, device="cuda").to(dtype)
+        default = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS))
+        forced = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS),
+                                  options=DecodeOptions(kernel="gluon"))
+        triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS),
+                                      options=DecodeOptions(kernel="fp8"))
+        assert torch.equal(default, forced)
+        assert not torch.equal(default, triton_out)
+        ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, (None, None))
+        assert _worst_rel_err(default, ref) < 1e-2
+
+
+@on_gpu
+@needs_gluon
+def test_64_bit_offsets_on_gpu(monkeypatch):
+    """The int64 offset path that E4M3 arrays of 2 GiB or more take, forced on small pages."""
+    real = decode_fp8_gluon.constexprs
+    monkeypatch.setattr(decode_fp8_gluon, "constexprs", lambda *a, **k: dict(real(*a, **k), OFF64=True))
+    table, kp, vp = _fp8_pages(SEQ_LENS, 8, 16, seed=6, device="cuda")
+    query = torch.randn(len(SEQ_LENS), 32, 128, device="cuda").bfloat16()
+    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
+    ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, (None, None))
+    for num_splits, prefetch in ((None, True), (1, False)):
+        out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS),
+                               options=DecodeOptions(kernel="gluon", num_splits=num_splits, prefetch=prefetch))
+        assert _worst_rel_err(out, ref) < 1e-2
+
+
+@on_gpu
+@needs_gluon
+def test_falls_back_outside_its_scope_on_gpu():
+    """head_dim 64: the rule runs the Triton fp8 kernel (equal to kernel="fp8"), kernel="gluon" says why not."""
+    seq_lens = [100]
+    table, num_blocks = block_tables(seq_lens, 16)
+    gen = torch.Generator().manual_seed(0)
+    kp = pages_to(fp8.fp8_quantize(torch.randn(num_blocks, 16, 2, 64, generator=gen)), "cuda")
+    vp = pages_to(fp8.fp8_quantize(torch.randn(num_blocks, 16, 2, 64, generator=gen)), "cuda")
+    query = torch.randn(1, 8, 64, device="cuda").bfloat16()
+    lens = torch.tensor(seq_lens, device="cuda")
+    with pytest.raises(ValueError, match="head_dim 64"):
+        decode_attention(query, kp, vp, table.cuda(), lens, 0.1, 100, options=DecodeOptions(kernel="gluon"))
+    out = decode_attention(query, kp, vp, table.cuda(), lens, 0.1, 100)
+    assert torch.equal(out, decode_attention(query, kp, vp, table.cuda(), lens, 0.1, 100,
+                                             options=DecodeOptions(kernel="fp8")))
