@@ -11,8 +11,8 @@
    head), head_dim 128, contexts 1k-64k, batch 1-128; effective bandwidth = KV bytes / time; fp4
    runs the default (the Gluon kernel on this cache) and, on the same pages, the Triton fp4 kernel
    (kernel "fp4") and the generic kernel (kernel "generic"), side by side; fp8 runs the default (the Gluon
-   fp8 kernel), its other builds (no prefetch; prefetch at 128 registers), the Triton fp8 kernel and the
-   generic kernel;
+   fp8 kernel, its build by launch size), each build (0, 1, 2 tiles of loads ahead), the rule with twice the
+   splits, the Triton fp8 kernel and the generic kernel;
 4. store_kv cost per token; 5. prefill TFLOP/s per format (fp8 and fp4 as the engine runs them: dequantized
    into a dense scratch, then the bf16 kernel; and the former in-kernel fp4 path) against SDPA bf16; 6. the engine smoke:
    greedy tokens with the kernels vs the torch path, Llama-3.1-8B shapes carrying a trained model
@@ -40,9 +40,9 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.config import FP4Config  # noqa: E402
-from app.kernels import decode_fp4_gluon, fp4, fp8, paged  # noqa: E402
+from app.kernels import decode_fp4_gluon, decode_fp8_gluon, fp4, fp8, paged  # noqa: E402
 from app.kernels.attention_ref import decode_attention_ref, prefill_attention_ref  # noqa: E402
-from app.kernels.decode_attention import DecodeOptions, decode_attention, num_splits_for  # noqa: E402
+from app.kernels.decode_attention import DecodeOptions, decode_attention, num_splits_for, split_plan  # noqa: E402
 from app.kernels.prefill_attention import prefill_attention  # noqa: E402
 from app.kernels.dequantize_blocks import dequantize_blocks  # noqa: E402
 from app.engine.prefill_plan import plan_prefill  # noqa: E402
@@ -295,15 +295,23 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
                                                                           options=DecodeOptions(precise_pv=True)))
             row["bf16_paged_bn128_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx,
                                                                         options=DecodeOptions(block_n=128)))
-        # fp8 pages: the rule's kernel (the Gluon one), its other builds (no prefetch; prefetch capped at 128
-        # registers), the Triton fp8 kernel and the generic kernel on the same pages (the paths before them)
+        # fp8 pages: the rule's kernel (the Gluon one, its build by launch size), each of its builds (0, 1, 2 tiles of
+        # loads ahead) and the rule's with twice the splits, the Triton fp8 kernel and the generic kernel on the same
+        # pages (the paths before them)
         k8, v8 = fp8.fp8_quantize(kp), fp8.fp8_quantize(vp)
         del kp, vp
         row["fp8_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx))
-        row["fp8_no_prefetch_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx,
-                                                                   options=DecodeOptions(kernel="gluon", prefetch=False)))
-        row["fp8_prefetch_128_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx, options=DecodeOptions(
-            kernel="gluon", prefetch=True, maxnreg=128)))
+        for ahead in (0, 1, 2):
+            row[f"fp8_ahead{ahead}_ms"] = bench(lambda: decode_attention(
+                q, k8, v8, table, sl, scale, ctx, options=DecodeOptions(kernel="gluon", prefetch=ahead)))
+        const = decode_fp8_gluon.constexprs(q, k8, v8)
+        splits = num_splits_for(batch, hk, ctx, DEV, GLUON_TILE,
+                                decode_fp8_gluon.programs_per_sm(q, k8, v8, table, sl, const), fp4_rule=True)
+        row["fp8_num_splits"] = splits
+        row["fp8_rule_ahead"] = decode_fp8_gluon.prefetch_for(batch * hk * split_plan(ctx, splits, GLUON_TILE)[1],
+                                                              torch.cuda.get_device_properties(DEV).multi_processor_count)
+        row["fp8_2x_splits_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx,
+                                                                 options=DecodeOptions(num_splits=2 * splits)))
         row["fp8_triton_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx,
                                                               options=DecodeOptions(kernel="fp8")))
         row["fp8_generic_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx,
@@ -364,7 +372,7 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
         row["fp8_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP8_BYTES / (row["fp8_ms"] * 1e-3) / copy_bw
         row["fp8_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp8_ms"]
         row["fp8_speedup_vs_triton"] = row["fp8_triton_ms"] / row["fp8_ms"]
-        for build in ("triton", "no_prefetch", "prefetch_128"):
+        for build in ("triton", "ahead0", "ahead1", "ahead2", "2x_splits"):
             row[f"fp8_{build}_speedup_vs_sdpa"] = row["sdpa_ms"] / row[f"fp8_{build}_ms"]
         row["fp8_fp4_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp8_fp4_ms"]
         row["fp8_fp4_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP8_FP4_BYTES / (row["fp8_fp4_ms"] * 1e-3) / copy_bw
@@ -625,12 +633,13 @@ def print_tables(results: dict) -> None:
             print(f"{r['model']} {r['ctx']} {r['batch']} | {r['bf16_paged_ms']:.4f} {r['fp8_ms']:.4f} "
                   f"{r['fp8_generic_ms']:.4f} | {r['fp8_speedup_vs_bf16_paged']:.2f} | {r['fp8_speedup_vs_generic']:.2f} | "
                   f"{r['fp8_eff_bw_pct_copy']:.0f} {r['bf16_paged_eff_bw_pct_copy']:.0f}")
-        print("model ctx batch | sdpa_ms fp8_ms (Gluon) | x sdpa: fp8 Gluon, no prefetch, prefetch at 128 regs, "
-              "Triton fp8 | fp8 x Triton fp8 | fp8 %copy")
+        print("model ctx batch | sdpa_ms fp8_ms (Gluon, tiles ahead, splits) | x sdpa: fp8 (the rule), 0, 1, 2 tiles "
+              "ahead, 2x splits, Triton fp8 | fp8 x Triton fp8 | fp8 %copy")
         for r in results["decode"]:
-            print(f"{r['model']} {r['ctx']} {r['batch']} | {r['sdpa_ms']:.4f} {r['fp8_ms']:.4f} | "
-                  f"{r['fp8_speedup_vs_sdpa']:.2f} {r['fp8_no_prefetch_speedup_vs_sdpa']:.2f} "
-                  f"{r['fp8_prefetch_128_speedup_vs_sdpa']:.2f} {r['fp8_triton_speedup_vs_sdpa']:.2f} | "
+            print(f"{r['model']} {r['ctx']} {r['batch']} | {r['sdpa_ms']:.4f} {r['fp8_ms']:.4f} ({r['fp8_rule_ahead']}, "
+                  f"{r['fp8_num_splits']}) | {r['fp8_speedup_vs_sdpa']:.2f} {r['fp8_ahead0_speedup_vs_sdpa']:.2f} "
+                  f"{r['fp8_ahead1_speedup_vs_sdpa']:.2f} {r['fp8_ahead2_speedup_vs_sdpa']:.2f} "
+                  f"{r['fp8_2x_splits_speedup_vs_sdpa']:.2f} {r['fp8_triton_speedup_vs_sdpa']:.2f} | "
                   f"{r['fp8_speedup_vs_triton']:.2f} | {r['fp8_eff_bw_pct_copy']:.0f}")
         print("model ctx batch | sdpa_ms fp8_ms fp8_fp4_ms fp4_ms | fp8 x sdpa | fp8-fp4 x sdpa | fp4 x sdpa | "
               "fp8 %copy fp8-fp4 %copy fp4 %copy")

@@ -157,8 +157,7 @@ def main() -> None:
                    v_vals="*u8", v_scale="*fp32")
     fp8_args = {"DT": tl.float16}
     fp8_gluon_sig = dict(fp8_sig, block_tables_ptr="*i64", seq_lens_ptr="*i64")  # the engine's tables
-    fp8_gluon_args = {"TW": decode_fp8_gluon.TW, "OFF64": False, "PREFETCH": decode_fp8_gluon.PREFETCH,
-                      **decode_fp8_gluon.layouts()}
+    fp8_gluon_args = {"TW": decode_fp8_gluon.TW, "OFF64": False, **decode_fp8_gluon.layouts()}
     gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, "STAGES": decode_fp4_gluon.STAGES,
                   "F16": True, "PAIR": None, "KG8": False, "QVEC": decode_fp4_gluon.QUERY_VECTOR,
                   **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default
@@ -185,12 +184,14 @@ def main() -> None:
         ("fp4 kernel, registers uncapped, 2 stages", _decode_fp4_kernel, SIG, fp4_args, 4, 2, None, 128, 1),
         ("generic kernel on fp4 pages (before)", _decode_kernel, SIG, generic_fp4, 4, 2, None, 128, 1),
         ("generic kernel on bf16 pages", _decode_kernel, dense_sig, dense, 4, 2, None, 64, 1),
-        ("Gluon fp8 kernel", decode_fp8_gluon._decode_fp8_gluon_kernel, fp8_gluon_sig, fp8_gluon_args, 4, 1, None,
-         64, 1),
-        ("Gluon fp8 kernel, no prefetch", decode_fp8_gluon._decode_fp8_gluon_kernel, fp8_gluon_sig,
-         dict(fp8_gluon_args, PREFETCH=False), 4, 1, None, 64, 1),
-        ("Gluon fp8 kernel, prefetch at 128 registers", decode_fp8_gluon._decode_fp8_gluon_kernel, fp8_gluon_sig,
-         dict(fp8_gluon_args, PREFETCH=True), 4, 1, 128, 64, 1),
+        ("Gluon fp8 kernel, 1 tile ahead", decode_fp8_gluon._decode_fp8_gluon_kernel, fp8_gluon_sig,
+         dict(fp8_gluon_args, PREFETCH=1), 4, 1, None, 64, 1),
+        ("Gluon fp8 kernel, 2 tiles ahead", decode_fp8_gluon._decode_fp8_gluon_kernel, fp8_gluon_sig,
+         dict(fp8_gluon_args, PREFETCH=2), 4, 1, None, 64, 1),
+        ("Gluon fp8 kernel, no loads ahead", decode_fp8_gluon._decode_fp8_gluon_kernel, fp8_gluon_sig,
+         dict(fp8_gluon_args, PREFETCH=0), 4, 1, None, 64, 1),
+        ("Gluon fp8 kernel, 1 tile ahead at 128 registers", decode_fp8_gluon._decode_fp8_gluon_kernel, fp8_gluon_sig,
+         dict(fp8_gluon_args, PREFETCH=1), 4, 1, 128, 64, 1),
         ("fp8 kernel (fp8 K and V)", _decode_fp8_kernel, fp8_sig, fp8_args, 4, FP8_STAGES, None, FP8_BLOCK_N, 1),
         ("generic kernel on fp8-fp4 pages", _decode_kernel, dict(SIG, k0="*u8", k1="*fp32", k2="*fp32",
          k3="*fp32", k4="*fp32"), dict(generic_fp4, K_KIND=1, K_G=1, K_KO=0), 4, 2, None, 64, 1),

@@ -7,8 +7,8 @@ Triton fp8 kernel) is what runs where it cannot.
 
 On a CUDA GPU (`TRITON_INTERPRET=0 python -m pytest tests/test_kernels_fp8_gluon.py`) it is checked
 against float32 attention over the same pages and against the Triton fp8 kernel, per sequence and query
-head: odd lengths (partial tiles), GQA 1, 2, 3, 4 and 8, one split and many, each build (prefetch or not,
-capped at 128 registers), values whose scales span 2^-60 .. 2^60, 64-bit offsets, and the engine's inputs
+head: odd lengths (partial tiles), GQA 1, 2, 3, 4 and 8, one split and many, each build (0, 1 or 2 tiles
+of loads ahead, 1 ahead capped at 128 registers), values whose scales span 2^-60 .. 2^60, 64-bit offsets, and the engine's inputs
 (int64 tables and lengths, no options), which must take it. Bound as in test_kernels_gluon.py: 1e-2.
 """
 
@@ -61,6 +61,18 @@ def test_unsupported_names_the_reason():
     assert why() == (cpu if decode_fp8_gluon.AVAILABLE else "this Triton has no Gluon")
 
 
+def test_the_build_follows_the_launch_size():
+    """Loads two tiles ahead where every program of the launch fits on the SMs at once at the 2-ahead build's
+    occupancy, one tile ahead beyond; DecodeOptions.prefetch names a build (0, 1 or 2) or refuses."""
+    per_sm = decode_fp8_gluon.PREFETCH_2_PROGRAMS_PER_SM
+    assert decode_fp8_gluon.prefetch_for(1, 132) == 2
+    assert decode_fp8_gluon.prefetch_for(per_sm * 132, 132) == 2
+    assert decode_fp8_gluon.prefetch_for(per_sm * 132 + 1, 132) == decode_fp8_gluon.PREFETCH == 1
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match="prefetch must be None, 0, 1 or 2"):
+            DecodeOptions(prefetch=bad)
+
+
 def test_where_it_cannot_run_the_triton_fp8_kernel_does():
     """On the CPU (interpreted) the rule runs the Triton fp8 kernel: the default equals kernel="fp8" bit for
     bit, and kernel="gluon" is a ValueError naming why the Gluon kernel cannot run."""
@@ -83,17 +95,21 @@ def test_every_build_compiles_for_sm_90():
     """Each build compiles for sm_90 with the installed Triton at both shapes (8B, 70B at TP 8), through
     experiments/kernel_sass.py in a process of its own (Gluon does not compile under the interpreter this
     suite runs): the operand layouts' conversions (assert_trivial) hold and the builds the timings compare
-    exist (prefetch or not, prefetch capped at 128 registers). Registers are not pinned: they differ by Triton."""
+    exist (0, 1 or 2 tiles ahead, 1 ahead capped at 128 registers). Registers are not pinned: they differ by
+    Triton, but the 2-ahead build must fit PREFETCH_2_PROGRAMS_PER_SM programs per SM."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res = subprocess.run([sys.executable, os.path.join(root, "experiments", "kernel_sass.py"), "--only", "Gluon fp8",
                           "--json"], capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"),
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert sorted((r["model"], r["kernel"]) for r in rows) == sorted(
-        (m, k) for m in ("8B", "70B-TP8") for k in ("Gluon fp8 kernel", "Gluon fp8 kernel, no prefetch",
-                                                    "Gluon fp8 kernel, prefetch at 128 registers"))
+    builds = ("Gluon fp8 kernel, 1 tile ahead", "Gluon fp8 kernel, 2 tiles ahead", "Gluon fp8 kernel, no loads ahead",
+              "Gluon fp8 kernel, 1 tile ahead at 128 registers")
+    assert sorted((r["model"], r["kernel"]) for r in rows) == sorted((m, k) for m in ("8B", "70B-TP8") for k in builds)
     assert all(r["regs"] > 0 and r["ops"]["HMMA"] > 0 for r in rows)
+    two = [r["regs"] for r in rows if "2 tiles" in r["kernel"]]
+    assert all(65536 // (-(-n // 8) * 8 * 32 * decode_fp8_gluon.W) >= decode_fp8_gluon.PREFETCH_2_PROGRAMS_PER_SM
+               for n in two), two
     assert all(r["regs"] <= 128 for r in rows if "128" in r["kernel"])
 
 
@@ -111,7 +127,7 @@ def _worst_rel_err(out, ref):
 @needs_gluon
 @pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 1), (2, 2), (2, 3)])
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
-@pytest.mark.parametrize("prefetch,maxnreg", [(True, None), (False, None), (True, 128)])
+@pytest.mark.parametrize("prefetch,maxnreg", [(1, None), (2, None), (0, None), (1, 128)])
 def test_matches_reference_on_gpu(kv_heads, group, num_splits, prefetch, maxnreg):
     table, kp, vp = _fp8_pages(SEQ_LENS, kv_heads, 16, seed=kv_heads + group, device="cuda")
     query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
@@ -178,7 +194,7 @@ def test_64_bit_offsets_on_gpu(monkeypatch):
     query = torch.randn(len(SEQ_LENS), 32, 128, device="cuda").bfloat16()
     lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, (None, None))
-    for num_splits, prefetch in ((None, True), (1, False)):
+    for num_splits, prefetch in ((None, None), (1, 0), (7, 2), (1, 1)):
         out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS),
                                options=DecodeOptions(kernel="gluon", num_splits=num_splits, prefetch=prefetch))
         assert _worst_rel_err(out, ref) < 1e-2

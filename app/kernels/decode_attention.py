@@ -456,9 +456,9 @@ class DecodeOptions:
     Gluon kernel only: fp16, its code-to-number map, fp16 MMAs (True) or bf16 (False) (None:
     decode_fp4_gluon.F16_DEFAULT); pair, tile pairs (two tiles per pass in the MMA's padding columns, at
     most 4 query heads per KV head and a 4-tile ring) for splits with at least this many whole tiles, 0
-    never (None: decode_fp4_gluon.PAIR_MIN_TILES). The fp8 Gluon kernel: prefetch, the next whole tile's loads
-    issued before the current one is attended (None: decode_fp8_gluon.PREFETCH); maxnreg applies (None:
-    uncapped)."""
+    never (None: decode_fp4_gluon.PAIR_MIN_TILES). The fp8 Gluon kernel: prefetch, the whole tiles whose loads
+    are issued ahead of the one attended, 0, 1 or 2 (None: decode_fp8_gluon.prefetch_for's rule); maxnreg
+    applies (None: uncapped)."""
 
     kernel: str | None = None
     num_splits: int | None = None
@@ -470,12 +470,14 @@ class DecodeOptions:
     maxnreg: int | None = None
     fp16: bool | None = None
     pair: int | None = None
-    prefetch: bool | None = None
+    prefetch: int | None = None
 
     def __post_init__(self) -> None:
         if self.kernel not in (None, "gluon", "fp4", "fp8", "generic"):
             raise ValueError(f"DecodeOptions.kernel must be None, 'gluon', 'fp4', 'fp8' or 'generic' "
                              f"(got {self.kernel!r})")
+        if self.prefetch not in (None, 0, 1, 2):
+            raise ValueError(f"DecodeOptions.prefetch must be None, 0, 1 or 2 (got {self.prefetch!r})")
         if self.precise_pv and self.kernel in ("gluon", "fp8"):
             raise ValueError(f"precise_pv runs the Triton fp4 or generic kernel, not {self.kernel!r}")
 
@@ -588,7 +590,8 @@ def warm_builds(num_heads: int, k_pages, v_pages, formats: tuple[FP4Format | Non
                 dtype: torch.dtype, max_blocks_per_seq: int) -> None:
     """Compile, before serving, every build of the decode kernels that decode_attention's rules can pick
     for these pages, by launching it once per case its rules tell apart: split or not, the Gluon kernel's
-    tile pairs or single tiles (Launch.constexprs_for: long or one-tile splits), the Triton fp4 kernel's
+    tile pairs or single tiles (Launch.constexprs_for: long or one-tile splits), the fp8 Gluon kernel's
+    loads ahead (prefetch_for: by launch size, named here), the Triton fp4 kernel's
     pipeline depth (batch x KV heads under 8 or not), and the split merge for every power of two of
     splits up to 256. Without this, the first mixed step (whose decode rows are planned on their real
     lengths, not a graph's) or the first long context compiled them while serving (1-3 s each on a cold
@@ -598,13 +601,16 @@ def warm_builds(num_heads: int, k_pages, v_pages, formats: tuple[FP4Format | Non
     device = paged.page_args(k_pages)[0].device
     tile = decode_fp4_gluon.W * decode_fp4_gluon.TW
     long = 64 * 128  # splits of 4096 tokens: paired in the Gluon kernel wherever pairs exist
+    # the fp8 Gluon kernel's builds by launch size (decode_fp8_gluon.prefetch_for), each named here
+    prefetches = (1, 2) if paged.page_kind(k_pages) == paged.page_kind(v_pages) == paged.FP8 else (None,)
     for num_seqs in (1, 8):
         query = torch.zeros(num_seqs, num_heads, head_dim, dtype=dtype, device=device)
         tables = torch.zeros(num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         lens = torch.ones(num_seqs, dtype=torch.int32, device=device)
         for max_seq_len, num_splits in ((1, 1), (2 * tile, 2), (long, 1), (long, 2)):
-            decode_attention(query, k_pages, v_pages, tables, lens, 1.0, max_seq_len, formats,
-                             options=DecodeOptions(num_splits=num_splits))
+            for prefetch in prefetches:
+                decode_attention(query, k_pages, v_pages, tables, lens, 1.0, max_seq_len, formats,
+                                 options=DecodeOptions(num_splits=num_splits, prefetch=prefetch))
     out = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     for splits in (2 ** i for i in range(1, 9)):
         part_o = torch.zeros(1, num_heads, splits, head_dim, dtype=torch.float32, device=device)
@@ -626,16 +632,22 @@ def _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_se
 
 
 def _decode_fp8_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, num_splits, out,
-                      maxnreg: int | None, prefetch: bool | None) -> torch.Tensor:
-    const = decode_fp8_gluon.constexprs(query, k_pages, v_pages, prefetch)
+                      maxnreg: int | None, prefetch: int | None) -> torch.Tensor:
+    """The splits planned for the default build (PREFETCH whole tiles ahead) as fp4_rule plans them, then the
+    build for the programs that leaves (decode_fp8_gluon.prefetch_for) unless `prefetch` names one."""
+    const = decode_fp8_gluon.constexprs(query, k_pages, v_pages)
     if maxnreg:
         const["maxnreg"] = maxnreg
     tile = decode_fp8_gluon.W * decode_fp8_gluon.TW
+    num_kv_heads = k_pages[0].shape[2]
     if num_splits is None:
         per_sm = decode_fp8_gluon.programs_per_sm(query, k_pages, v_pages, block_tables, seq_lens, const)
-        num_splits = num_splits_for(query.shape[0], k_pages[0].shape[2], max_seq_len, query.device, tile, per_sm,
+        num_splits = num_splits_for(query.shape[0], num_kv_heads, max_seq_len, query.device, tile, per_sm,
                                     fp4_rule=True)
     split_size, num_splits, out, part_o, part_lse = _split_buffers(query, max_seq_len, num_splits, tile, out)
+    if prefetch is None:
+        prefetch = decode_fp8_gluon.prefetch_for(query.shape[0] * num_kv_heads * num_splits, _num_sms(query.device))
+    const["PREFETCH"] = prefetch
     decode_fp8_gluon.launch(query, k_pages, v_pages, block_tables, seq_lens, scale * LOG2E, out, part_o, part_lse,
                             split_size, num_splits, const)
     _merge_splits(part_o, part_lse, out, num_splits)

@@ -21,9 +21,9 @@ with fp8's operands (its docstring explains the orientation, the warps and the s
   the query goes to fp16 times a power of two, _query_scale). A value's scale joins its score as
   log2(scale), so the probabilities reach the PV MMA weighted by it and at most 1 (exact to fp16's
   11 bits relative to the largest term whatever the values' magnitudes); the sums take it back.
-- Loads. No shared memory: each warp loads its 16 tokens of a 64-token tile into registers, and with
-  PREFETCH the next whole tile's loads are issued before the current tile is attended (the tile
-  after it in registers while this one computes). The partial tile, if any, is attended first.
+- Loads. No shared memory: each warp loads its 16 tokens of a 64-token tile into registers, the loads
+  of the next PREFETCH (1 or 2) whole tiles issued before the current one is attended, so they fly while
+  it computes (prefetch_for picks the build per launch). The partial tile, if any, is attended first.
 
 Scope: head_dim 128, at most 8 query heads per KV head, pages of a multiple of 16 tokens, E4M3 arrays
 16-byte aligned (the 16-byte loads) and scales 4-byte aligned; decode_attention runs the Triton fp8
@@ -187,6 +187,7 @@ if AVAILABLE:
         MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr,
         OFF64: gl.constexpr, PREFETCH: gl.constexpr,
     ):
+        gl.static_assert(PREFETCH >= 0 and PREFETCH <= 2, "PREFETCH: whole tiles in flight ahead, 0-2")
         D: gl.constexpr = 128
         WN: gl.constexpr = 4
         NH: gl.constexpr = 8
@@ -225,10 +226,13 @@ if AVAILABLE:
         off_v = gl.expand_dims(2 * p_v * (H * (D // 4)) + 4 * g_v, 3) + c_v  # token 2 pair, bytes 16 g..
         idx = (w_k, r_k, off_k, w_s, r_s, w_v, p_v, off_v)
 
-        # The first whole tile's loads (none if there is none) go out before the query is read
-        if PREFETCH:
+        # The first PREFETCH whole tiles' loads (masked: none past the whole tiles) go out before the query is read
+        if PREFETCH >= 1:
             kw, ks, vs, ca, cb = _load_tile(start, full_end, bt_row, h, k_vals, k_scale, v_vals, v_scale, idx, BS, H,
                                             TW, OFF64, True)
+        if PREFETCH == 2:
+            kw1, ks1, vs1, ca1, cb1 = _load_tile(start + tile, full_end, bt_row, h, k_vals, k_scale, v_vals, v_scale,
+                                                 idx, BS, H, TW, OFF64, True)
 
         # Q^T [WN, 128, NH] as the B operand (every warp the whole query), k permuted as _key_operand's:
         # dim = 32 t + 4 j + 2 hh + x for k = 16 j + 8 hh + 2 t + x; in fp16 times _query_scale's power of two f
@@ -257,7 +261,24 @@ if AVAILABLE:
                                                  H, TW, OFF64, True)
             m_i, l_i, acc = _attend_tile(full_end, end, m_i, l_i, acc, qt, k_factor, pkw, pks, pvs, pca, pcb, w_s, r_s,
                                          TW, True, A_OP, B_OP)
-        if PREFETCH:
+        if PREFETCH == 2:
+            # tiles n0 and n0 + tile are in registers (or in flight); tile n0 + 2 tile's loads go out before n0 is attended
+            for n0 in range(start, full_end - 2 * tile, tile):
+                nkw, nks, nvs, nca, ncb = _load_tile(n0 + 2 * tile, end, bt_row, h, k_vals, k_scale, v_vals, v_scale,
+                                                     idx, BS, H, TW, OFF64, False)
+                m_i, l_i, acc = _attend_tile(n0, end, m_i, l_i, acc, qt, k_factor, kw, ks, vs, ca, cb, w_s, r_s, TW,
+                                             False, A_OP, B_OP)
+                kw, ks, vs, ca, cb = kw1, ks1, vs1, ca1, cb1
+                kw1, ks1, vs1, ca1, cb1 = nkw, nks, nvs, nca, ncb
+            if full_end - start >= 2 * tile:  # the last two whole tiles
+                m_i, l_i, acc = _attend_tile(full_end - 2 * tile, end, m_i, l_i, acc, qt, k_factor, kw, ks, vs, ca, cb,
+                                             w_s, r_s, TW, False, A_OP, B_OP)
+                m_i, l_i, acc = _attend_tile(full_end - tile, end, m_i, l_i, acc, qt, k_factor, kw1, ks1, vs1, ca1, cb1,
+                                             w_s, r_s, TW, False, A_OP, B_OP)
+            elif full_end > start:  # the only whole tile
+                m_i, l_i, acc = _attend_tile(start, end, m_i, l_i, acc, qt, k_factor, kw, ks, vs, ca, cb, w_s, r_s, TW,
+                                             False, A_OP, B_OP)
+        elif PREFETCH == 1:
             # tile n0 is in registers; tile n0 + tile's loads go out before it is attended
             for n0 in range(start, full_end - tile, tile):
                 nkw, nks, nvs, nca, ncb = _load_tile(n0 + tile, end, bt_row, h, k_vals, k_scale, v_vals, v_scale, idx,
@@ -312,23 +333,32 @@ def unsupported(query, k_pages, v_pages, block_size: int) -> str | None:
     return None
 
 
-# Loads of the next whole tile issued before the current one is attended (registers hold two tiles), or
-# each tile loaded where it is attended; bench/kernel_timings.py --fp8-gluon-prefetch times both.
-PREFETCH = True
+# Whole tiles in flight ahead of the one attended (the PREFETCH build): 1 unless a launch's programs all fit on the
+# SMs at once (at most PREFETCH_2_PROGRAMS_PER_SM each), where 2 (each program is a chain of memory round
+# trips there, with nothing else on its SM to overlap them; the build takes ~190 registers, 2 programs per SM).
+# 0 (each tile loaded where it is attended, ~100 registers) is a DecodeOptions choice for measurements.
+PREFETCH = 1
+PREFETCH_2_PROGRAMS_PER_SM = 2
 PLAN_PROGRAMS_PER_SM = 4  # as decode_fp4_gluon's: programs per SM that the split plan counts at most
 _LAYOUTS: dict = {}
 _RESOURCES: dict = {}
 
 
-def constexprs(query, k_pages, v_pages, prefetch: bool | None = None) -> dict:
-    """The build a decode runs (its constexprs and launch options)."""
+def prefetch_for(programs: int, sms: int) -> int:
+    """The PREFETCH build for a launch of `programs` programs on `sms` SMs (the rule above)."""
+    return 2 if programs <= PREFETCH_2_PROGRAMS_PER_SM * sms else PREFETCH
+
+
+def constexprs(query, k_pages, v_pages, prefetch: int = PREFETCH) -> dict:
+    """A build's constexprs and launch options for this decode."""
     if not _LAYOUTS:
         _LAYOUTS.update(layouts())
     k_vals, v_vals = k_pages[0], v_pages[0]
     num_kv_heads = k_vals.shape[2]
+    if prefetch not in (0, 1, 2):
+        raise ValueError(f"prefetch must be 0, 1 or 2 whole tiles ahead (got {prefetch!r})")
     return dict(H=num_kv_heads, GROUP=query.shape[1] // num_kv_heads, BS=k_vals.shape[1], TW=TW,
-                OFF64=max(k_vals.numel(), v_vals.numel()) >= 2 ** 31, PREFETCH=PREFETCH if prefetch is None else prefetch,
-                num_warps=W, **_LAYOUTS)
+                OFF64=max(k_vals.numel(), v_vals.numel()) >= 2 ** 31, PREFETCH=prefetch, num_warps=W, **_LAYOUTS)
 
 
 def programs_per_sm(query, k_pages, v_pages, block_tables, seq_lens, const: dict) -> int:
