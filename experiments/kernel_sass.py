@@ -156,8 +156,10 @@ def main() -> None:
     fp8_sig = dict({k: v for k, v in SIG.items() if k not in PAGE_SIG}, k_vals="*u8", k_scale="*fp32",
                    v_vals="*u8", v_scale="*fp32")
     fp8_args = {"DT": tl.float16}
-    fp8_gluon_sig = dict(fp8_sig, block_tables_ptr="*i64", seq_lens_ptr="*i64")  # the engine's tables
-    fp8_gluon_args = {"TW": decode_fp8_gluon.TW, "OFF64": False, **decode_fp8_gluon.layouts()}
+    # values: E4M3 and scales (fp8) or fp4 codes, group scales and scale_exp (V_FP4); int32 tables, as the engine's
+    fp8_gluon_sig = dict({k: v for k, v in fp8_sig.items() if not k.startswith("v_")}, v0="*u8", v1="*fp32",
+                         v2="*fp32")
+    fp8_gluon_args = {"TW": decode_fp8_gluon.TW, "OFF64": False, "V_FP4": False, **decode_fp8_gluon.layouts()}
     gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, "STAGES": decode_fp4_gluon.STAGES,
                   "F16": True, "PAIR": None, "KG8": False, "QVEC": decode_fp4_gluon.QUERY_VECTOR,
                   **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default
@@ -192,6 +194,12 @@ def main() -> None:
          dict(fp8_gluon_args, PREFETCH=0), 4, 1, None, 64, 1),
         ("Gluon fp8 kernel, 1 tile ahead at 128 registers", decode_fp8_gluon._decode_fp8_gluon_kernel, fp8_gluon_sig,
          dict(fp8_gluon_args, PREFETCH=1), 4, 1, 128, 64, 1),
+        ("Gluon fp8 kernel, fp4 values, 1 tile ahead", decode_fp8_gluon._decode_fp8_gluon_kernel,
+         dict(fp8_gluon_sig, v1="*u8", v2="*u8"), dict(fp8_gluon_args, PREFETCH=1, V_FP4=True,
+                                                        V_LOAD=decode_fp8_gluon.layouts()["V4_LOAD"]), 4, 1, None, 64, 1),
+        ("Gluon fp8 kernel, fp4 values, 2 tiles ahead", decode_fp8_gluon._decode_fp8_gluon_kernel,
+         dict(fp8_gluon_sig, v1="*u8", v2="*u8"), dict(fp8_gluon_args, PREFETCH=2, V_FP4=True,
+                                                        V_LOAD=decode_fp8_gluon.layouts()["V4_LOAD"]), 4, 1, None, 64, 1),
         ("fp8 kernel (fp8 K and V)", _decode_fp8_kernel, fp8_sig, fp8_args, 4, FP8_STAGES, None, FP8_BLOCK_N, 1),
         ("generic kernel on fp8-fp4 pages", _decode_kernel, dict(SIG, k0="*u8", k1="*fp32", k2="*fp32",
          k3="*fp32", k4="*fp32"), dict(generic_fp4, K_KIND=1, K_G=1, K_KO=0), 4, 2, None, 64, 1),

@@ -9,7 +9,7 @@ On a CUDA GPU (`TRITON_INTERPRET=0 python -m pytest tests/test_kernels_fp8_gluon
 against float32 attention over the same pages and against the Triton fp8 kernel, per sequence and query
 head: odd lengths (partial tiles), GQA 1, 2, 3, 4 and 8, one split and many, each build (0, 1 or 2 tiles
 of loads ahead, 1 ahead capped at 128 registers), values whose scales span 2^-60 .. 2^60, 64-bit offsets, and the engine's inputs
-(int64 tables and lengths, no options), which must take it. Bound as in test_kernels_gluon.py: 1e-2.
+(int32 tables and lengths, no options), which must take it; the builds agree bit for bit. Bound as in test_kernels_gluon.py: 1e-2.
 """
 
 import json
@@ -23,7 +23,8 @@ import torch
 from app.kernels import decode_fp8_gluon, fp8, paged
 from app.kernels.attention_ref import decode_attention_ref
 from app.kernels.decode_attention import DecodeOptions, decode_attention
-from kernels_testing import block_tables, keys_like_llama, pages_to
+from app.kernels.fp4 import FP4Format
+from kernels_testing import DEFAULT_FP4, block_tables, keys_like_llama, pages_to
 
 needs_gluon = pytest.mark.skipif(not decode_fp8_gluon.AVAILABLE, reason="this Triton has no Gluon")
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or paged.interpreting()
@@ -59,6 +60,15 @@ def test_unsupported_names_the_reason():
     assert why(offset=4) == "E4M3 arrays not 16-byte aligned (read by 16-byte loads)"
     cpu = "Gluon kernels run on CUDA, not on CPU or under TRITON_INTERPRET"
     assert why() == (cpu if decode_fp8_gluon.AVAILABLE else "this Triton has no Gluon")
+    # fp8 keys with fp4 values: the default value format (groups of 32, no slots) only
+    q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+    k = fp8.fp8_quantize(torch.zeros(1, 16, 2, 128))
+    for v_fmt, reason in ((DEFAULT_FP4[1], cpu), (FP4Format(group_size=16), "fp4 values other than groups of 32"),
+                          (FP4Format(group_size=32, outliers=1), "fp4 values other than groups of 32")):
+        v = paged.quantize_pages(torch.zeros(1, 16, 2, 128), "fp4", v_fmt)
+        got = decode_fp8_gluon.unsupported(q, k, v, 16, v_fmt)
+        assert got is not None and got.startswith(reason if decode_fp8_gluon.AVAILABLE or reason != cpu
+                                                  else "this Triton"), (v_fmt, got)
 
 
 def test_the_build_follows_the_launch_size():
@@ -71,6 +81,25 @@ def test_the_build_follows_the_launch_size():
     for bad in (3, -1):
         with pytest.raises(ValueError, match="prefetch must be None, 0, 1 or 2"):
             DecodeOptions(prefetch=bad)
+
+
+def test_the_launcher_runs_the_build_the_launch_size_asks_for(monkeypatch):
+    """decode_attention's fp8 Gluon path plans the splits with the 1-ahead build's programs per SM, then runs
+    2 tiles ahead where the launch's programs fit 2 per SM, 1 beyond, unless DecodeOptions names one. The
+    kernel is not launched (recorded instead: it needs CUDA); the CPU counts 4 SMs (decode_attention._num_sms)."""
+    if not paged.interpreting():
+        pytest.skip("the split merge runs interpreted on CPU tensors")
+    import app.kernels.decode_attention as da
+
+    ran = []
+    monkeypatch.setattr(decode_fp8_gluon, "programs_per_sm", lambda *a, **k: 3)
+    monkeypatch.setattr(decode_fp8_gluon, "launch", lambda *a: ran.append(a[-1]["PREFETCH"]))
+    for seqs, prefetch, want in ((1, None, 2), (4, None, 2), (5, None, 1), (1, 0, 0), (8, 2, 2)):
+        table, kp, vp = _fp8_pages([40] * seqs, 2, 16, seed=0)
+        query = torch.zeros(seqs, 8, 128, dtype=torch.bfloat16)
+        lens = torch.full((seqs,), 40, dtype=torch.int32)
+        da._decode_fp8_gluon(query, kp, vp, table, lens, 0.1, 40, 1, None, None, prefetch)
+        assert ran[-1] == want, (seqs, prefetch, ran)  # 1 split: 2 x seqs programs against 2 x 4 SMs
 
 
 def test_where_it_cannot_run_the_triton_fp8_kernel_does():
@@ -95,8 +124,8 @@ def test_every_build_compiles_for_sm_90():
     """Each build compiles for sm_90 with the installed Triton at both shapes (8B, 70B at TP 8), through
     experiments/kernel_sass.py in a process of its own (Gluon does not compile under the interpreter this
     suite runs): the operand layouts' conversions (assert_trivial) hold and the builds the timings compare
-    exist (0, 1 or 2 tiles ahead, 1 ahead capped at 128 registers). Registers are not pinned: they differ by
-    Triton, but the 2-ahead build must fit PREFETCH_2_PROGRAMS_PER_SM programs per SM."""
+    exist (0, 1 or 2 tiles ahead, 1 ahead capped at 128 registers, fp4 values 1 or 2 ahead). Registers are not
+    pinned: they differ by Triton, but the 2-ahead builds must fit PREFETCH_2_PROGRAMS_PER_SM programs per SM."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res = subprocess.run([sys.executable, os.path.join(root, "experiments", "kernel_sass.py"), "--only", "Gluon fp8",
                           "--json"], capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"),
@@ -104,7 +133,8 @@ def test_every_build_compiles_for_sm_90():
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     builds = ("Gluon fp8 kernel, 1 tile ahead", "Gluon fp8 kernel, 2 tiles ahead", "Gluon fp8 kernel, no loads ahead",
-              "Gluon fp8 kernel, 1 tile ahead at 128 registers")
+              "Gluon fp8 kernel, 1 tile ahead at 128 registers", "Gluon fp8 kernel, fp4 values, 1 tile ahead",
+              "Gluon fp8 kernel, fp4 values, 2 tiles ahead")
     assert sorted((r["model"], r["kernel"]) for r in rows) == sorted((m, k) for m in ("8B", "70B-TP8") for k in builds)
     assert all(r["regs"] > 0 and r["ops"]["HMMA"] > 0 for r in rows)
     two = [r["regs"] for r in rows if "2 tiles" in r["kernel"]]
@@ -113,7 +143,9 @@ def test_every_build_compiles_for_sm_90():
     assert all(r["regs"] <= 128 for r in rows if "128" in r["kernel"])
 
 
-SEQ_LENS = [1, 15, 16, 17, 63, 64, 65, 1025, 1027, 4099]
+# partial tiles, one to three whole tiles with and without a partial one (the 2-ahead build's edge cases at one
+# split), long sequences over many splits
+SEQ_LENS = [1, 15, 16, 17, 63, 64, 65, 128, 150, 192, 255, 1025, 1027, 4099]
 
 
 def _worst_rel_err(out, ref):
@@ -143,6 +175,42 @@ def test_matches_reference_on_gpu(kv_heads, group, num_splits, prefetch, maxnreg
     assert _worst_rel_err(out, triton_out) < 1e-2
 
 
+def _fp8_fp4_pages(seq_lens, kv_heads, block_size, seed, v_mult=1.0):
+    """(block table, K pages, V pages, formats) on the GPU: fp8 keys like Llama's, normal values (x v_mult) in the
+    default fp4 value format (groups of 32, no slots), blocks shuffled."""
+    table, num_blocks = block_tables(seq_lens, block_size, seed)
+    gen = torch.Generator().manual_seed(seed)
+    k = keys_like_llama(num_blocks, block_size, kv_heads, 128, gen=gen)
+    v = torch.randn(num_blocks, block_size, kv_heads, 128, generator=gen) * v_mult
+    v_fmt = DEFAULT_FP4[1]
+    return (table.cuda(), pages_to(fp8.fp8_quantize(k), "cuda"), pages_to(paged.quantize_pages(v, "fp4", v_fmt), "cuda"),
+            (None, v_fmt))
+
+
+@on_gpu
+@needs_gluon
+@pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 3)])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+@pytest.mark.parametrize("prefetch", [1, 2, 0])
+@pytest.mark.parametrize("v_mult", [1.0, 3e4])
+def test_fp4_values_match_reference_on_gpu(kv_heads, group, num_splits, prefetch, v_mult):
+    """fp8 keys with fp4 values (kv_cache_dtype fp8-fp4) through the kernel's V_FP4 build (decode_fp4_gluon's value
+    operand and fp16 map) against float32 attention over the same pages and the generic kernel (the rule's while
+    FP8_FP4_GLUON is off); values near 1 and far from it."""
+    table, kp, vp, formats = _fp8_fp4_pages(SEQ_LENS, kv_heads, 16, seed=kv_heads + group, v_mult=v_mult)
+    query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
+    assert decode_fp8_gluon.unsupported(query, kp, vp, 16, formats[1]) is None
+    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
+    out = torch.full_like(query, float("nan"))
+    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, out=out,
+                     options=DecodeOptions(kernel="gluon", num_splits=num_splits, prefetch=prefetch))
+    ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
+    assert _worst_rel_err(out, ref) < 1e-2
+    generic = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
+                               options=DecodeOptions(kernel="generic", num_splits=num_splits))
+    assert _worst_rel_err(out, generic) < 1e-2
+
+
 @on_gpu
 @needs_gluon
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -165,13 +233,29 @@ def test_extreme_magnitudes_on_gpu(num_splits):
 
 @on_gpu
 @needs_gluon
+def test_the_builds_agree_bit_for_bit_on_gpu():
+    """At a fixed split count the builds (0, 1, 2 tiles of loads ahead) attend the same tiles in the same order
+    with the same arithmetic: equal outputs, bit for bit, for each split count."""
+    table, kp, vp = _fp8_pages(SEQ_LENS, 8, 16, seed=9, device="cuda")
+    query = torch.randn(len(SEQ_LENS), 32, 128, device="cuda").bfloat16()
+    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
+    for num_splits in (1, 3):
+        outs = [decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS),
+                                 options=DecodeOptions(kernel="gluon", num_splits=num_splits, prefetch=p))
+                for p in (0, 1, 2)]
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2]), num_splits
+
+
+@on_gpu
+@needs_gluon
 def test_default_route_is_gluon_with_engine_inputs_on_gpu():
-    """What the engine passes: int64 block tables and sequence lengths, no options, pages of 32 tokens; also
-    an fp16 query. The default is the Gluon kernel: bit-equal to kernel="gluon", not to the Triton fp8 kernel."""
-    table, kp, vp = _fp8_pages(SEQ_LENS, 8, 32, seed=3, device="cuda")
-    table = table.long()
-    lens = torch.tensor(SEQ_LENS, dtype=torch.int64, device="cuda")
-    for dtype in (torch.bfloat16, torch.float16):
+    """What the engine passes: int32 block tables and sequence lengths (also int64), no options, pages of 32
+    tokens; also an fp16 query. The default is the Gluon kernel: bit-equal to kernel="gluon", not to the Triton
+    fp8 kernel."""
+    table32, kp, vp = _fp8_pages(SEQ_LENS, 8, 32, seed=3, device="cuda")
+    for dtype, index in ((torch.bfloat16, torch.int32), (torch.float16, torch.int64)):
+        table = table32.to(index)
+        lens = torch.tensor(SEQ_LENS, dtype=index, device="cuda")
         query = torch.randn(len(SEQ_LENS), 32, 128, device="cuda").to(dtype)
         default = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS))
         forced = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS),
@@ -195,8 +279,9 @@ def test_64_bit_offsets_on_gpu(monkeypatch):
     lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, (None, None))
     for num_splits, prefetch in ((None, None), (1, 0), (7, 2), (1, 1)):
-        out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS),
-                               options=DecodeOptions(kernel="gluon", num_splits=num_splits, prefetch=prefetch))
+        out = torch.full_like(query, float("nan"))
+        decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), out=out,
+                         options=DecodeOptions(kernel="gluon", num_splits=num_splits, prefetch=prefetch))
         assert _worst_rel_err(out, ref) < 1e-2
 
 

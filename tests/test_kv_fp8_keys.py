@@ -174,15 +174,20 @@ def test_decode_kernel_matches_reference_on_mixed_pages(num_kv_heads, group, hea
     assert rel_err(out, ref) < 1e-2
 
 
-def test_decode_on_mixed_pages_never_takes_the_gluon_fp4_kernel():
-    """The Gluon kernel (and _decode_fp4_kernel) read fp4 K and V; mixed pages take the generic kernel
-    on every device, and asking for Gluon says why not."""
+def test_decode_on_mixed_pages_takes_the_generic_kernel_by_the_rule():
+    """fp8-key/fp4-value pages take the generic kernel by the rule (the Gluon fp8 kernel's fp4-value build
+    runs only when asked for, FP8_FP4_GLUON being off until it is checked on a GPU); asking for it where it
+    cannot run says why (head_dim 64 here; on the CPU also that Gluon runs on CUDA)."""
     table, num_blocks = block_tables([20], 16)
     k_pages, v_pages, formats = _mixed_pages(num_blocks, 16, 1, 64)
     query = torch.randn(1, 4, 64).bfloat16()
-    with pytest.raises(ValueError, match="not both fp4"):
+    with pytest.raises(ValueError, match="the Gluon fp8 kernel cannot run this decode: head_dim 64"):
         decode_attention(query, k_pages, v_pages, table, torch.tensor([20]), 0.125, 20, formats,
                          options=DecodeOptions(kernel="gluon"))
+    rule = decode_attention(query, k_pages, v_pages, table, torch.tensor([20]), 0.125, 20, formats)
+    generic = decode_attention(query, k_pages, v_pages, table, torch.tensor([20]), 0.125, 20, formats,
+                               options=DecodeOptions(kernel="generic"))
+    assert torch.equal(rule, generic)
 
 
 def test_dequantized_mixed_pages_are_each_sides_format():

@@ -13,7 +13,8 @@ at batch 1 and long context.
 The engine's default fp4 cache (and key groups of 8 without key slots) runs decode_fp4_gluon's kernel on
 CUDA (Gluon: explicit layouts around the fp4 unpack; its docstring says how, `unsupported` says what it
 needs); other fp4 K and V pages run _decode_fp4_kernel, the same algorithm arranged around the unpack in plain Triton (also
-what the CPU tests interpret); every other combination runs _decode_kernel.
+what the CPU tests interpret). fp8 K and V pages run decode_fp8_gluon's kernel on CUDA where it can (its `unsupported`),
+else _decode_fp8_kernel; every other combination runs _decode_kernel.
 
 Speed (bench/RESULTS.md, "Decode attention", H200): bf16 pages run within 3-12% of torch SDPA on
 contiguous K/V for the Llama-3.1-8B shape from 8k context and batch 8; fp4 pages (Gluon) 1.53-1.85x faster
@@ -62,8 +63,15 @@ PROGRAM_COST_TOKENS = 160
 # head) on Triton 3.6 for sm_90 (128-token tiles: 35, at 179 registers); splits planned as the generic
 # kernel's. Not yet swept on a GPU.
 FP8_BLOCK_N, FP8_STAGES, FP8_PROGRAMS_PER_SM = 64, 2, 2
-# fp8 K and V pages run decode_fp8_gluon's kernel where it can (its `unsupported`), else _decode_fp8_kernel.
+# fp8 K and V pages run decode_fp8_gluon's kernel where it can (its `unsupported`), else _decode_fp8_kernel: on an
+# H100 it was 1.08-1.55x the Triton kernel's speed at 8B and 70B-TP8 shapes, 8k-32k, batch 1-128, but for one row
+# timed first after quantizing 17 GB (0.98x there; the same build timed next: 1.10x) (bench/RESULTS.md, "Decode
+# attention"). False keeps the Triton kernel (for comparisons).
 FP8_GLUON = True
+# fp8 keys with fp4 values (kv_cache_dtype fp8-fp4) in the same kernel (its V_FP4 build: the fp4 kernel's value
+# operand); off by the rule (the generic kernel runs them) until it is checked and timed on a GPU:
+# DecodeOptions(kernel="gluon") runs it.
+FP8_FP4_GLUON = False
 SHARED_SM_SLOWDOWN = {1: 1.5, 2: 1.12, 3: 1.03}  # programs on an SM (fewer than its slots) -> per-token cost
 
 
@@ -437,8 +445,9 @@ class DecodeOptions:
 
     kernel: None (the rule: the Gluon kernel for fp4 K and V pages in decode_fp4_gluon's scope,
     _decode_fp4_kernel for other fp4 pages with head_dim >= 128, decode_fp8_gluon's kernel for fp8 K and V
-    pages in its scope (while FP8_GLUON), _decode_fp8_kernel for other fp8 K and V pages, _decode_kernel for
-    everything else), "gluon" (the pages' Gluon kernel, fp4 or fp8, required: ValueError naming why it
+    pages in its scope (while FP8_GLUON) and for fp8 keys with fp4 values (while FP8_FP4_GLUON, off),
+    _decode_fp8_kernel for other fp8 K and V pages, _decode_kernel for everything else), "gluon" (the pages'
+    Gluon kernel, fp4's or fp8's (fp8 keys with fp8 or fp4 values), required: ValueError naming why it
     cannot run), "fp4" (_decode_fp4_kernel), "fp8" (_decode_fp8_kernel) or "generic" (_decode_kernel, any
     pages). num_splits: the split count (None: num_splits_for's rule).
     Triton kernels only: block_n, tokens per tile (None: 128 for fp4 pages, FP8_BLOCK_N for the fp8
@@ -515,23 +524,25 @@ def decode_attention(
     assert block_tables.dtype in (torch.int32, torch.int64) and seq_lens.shape == (num_seqs,)
     kinds = (paged.page_kind(k_pages), paged.page_kind(v_pages))
     fp4_pages, fp8_pages = kinds == (paged.FP4, paged.FP4), kinds == (paged.FP8, paged.FP8)
+    fp8_fp4_pages = kinds == (paged.FP8, paged.FP4)
     if kernel in (None, "gluon"):
-        why = "K and V pages are not both fp4 or both fp8"
+        why = "K and V pages are not both fp4, both fp8, or fp8 keys with fp4 values"
         if precise_pv:
             why = "precise_pv runs a Triton kernel"
         elif fp4_pages:
             why = decode_fp4_gluon.unsupported(query, k_pages, v_pages, formats, bs, num_stages)
             if why is None and asm is False:
                 why = "asm=False asks for the plain-Triton unpack"
-        elif fp8_pages:
-            why = decode_fp8_gluon.unsupported(query, k_pages, v_pages, bs)
+        elif fp8_pages or fp8_fp4_pages:
+            why = decode_fp8_gluon.unsupported(query, k_pages, v_pages, bs, formats[1])
             if why is None and asm is False:
                 why = "asm=False asks for the plain-Triton conversion"
-            elif why is None and kernel is None and not FP8_GLUON:
-                why = "FP8_GLUON is off"
+            elif why is None and kernel is None and not (FP8_GLUON if fp8_pages else FP8_FP4_GLUON):
+                why = "FP8_GLUON is off" if fp8_pages else "FP8_FP4_GLUON is off"
         if kernel == "gluon" and why is not None:
-            raise ValueError(f"the Gluon {'fp8' if fp8_pages else 'fp4'} kernel cannot run this decode: {why}")
-        if why is None and fp8_pages:
+            raise ValueError(f"the Gluon {'fp8' if fp8_pages or fp8_fp4_pages else 'fp4'} kernel cannot run this "
+                             f"decode: {why}")
+        if why is None and (fp8_pages or fp8_fp4_pages):
             return _decode_fp8_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, num_splits,
                                      out, maxnreg, o.prefetch)
         if why is None:
@@ -602,7 +613,8 @@ def warm_builds(num_heads: int, k_pages, v_pages, formats: tuple[FP4Format | Non
     tile = decode_fp4_gluon.W * decode_fp4_gluon.TW
     long = 64 * 128  # splits of 4096 tokens: paired in the Gluon kernel wherever pairs exist
     # the fp8 Gluon kernel's builds by launch size (decode_fp8_gluon.prefetch_for), each named here
-    prefetches = (1, 2) if paged.page_kind(k_pages) == paged.page_kind(v_pages) == paged.FP8 else (None,)
+    fp8_keys = paged.page_kind(k_pages) == paged.FP8 and paged.page_kind(v_pages) in (paged.FP8, paged.FP4)
+    prefetches = (1, 2) if fp8_keys else (None,)
     for num_seqs in (1, 8):
         query = torch.zeros(num_seqs, num_heads, head_dim, dtype=dtype, device=device)
         tables = torch.zeros(num_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
@@ -611,6 +623,9 @@ def warm_builds(num_heads: int, k_pages, v_pages, formats: tuple[FP4Format | Non
             for prefetch in prefetches:
                 decode_attention(query, k_pages, v_pages, tables, lens, 1.0, max_seq_len, formats,
                                  options=DecodeOptions(num_splits=num_splits, prefetch=prefetch))
+        # the rule's own call: the Gluon kernels size their splits from a compiled build's registers
+        # (programs_per_sm), which loads it here rather than in the first step's call
+        decode_attention(query, k_pages, v_pages, tables, lens, 1.0, 1, formats)
     out = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     for splits in (2 ** i for i in range(1, 9)):
         part_o = torch.zeros(1, num_heads, splits, head_dim, dtype=torch.float32, device=device)
