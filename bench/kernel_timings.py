@@ -12,7 +12,8 @@
    runs the default (the Gluon kernel on this cache) and, on the same pages, the Triton fp4 kernel
    (kernel "fp4") and the generic kernel (kernel "generic"), side by side; fp8 runs the default (the Gluon
    fp8 kernel, its build by launch size), each build (0, 1, 2 tiles of loads ahead), the rule with twice the
-   splits, the Triton fp8 kernel and the generic kernel;
+   splits, the Triton fp8 kernel and the generic kernel; fp8-fp4 the rule's (generic) kernel and the Gluon fp8
+   kernel's fp4-value build;
 4. store_kv cost per token; 5. prefill TFLOP/s per format (fp8 and fp4 as the engine runs them: dequantized
    into a dense scratch, then the bf16 kernel; and the former in-kernel fp4 path) against SDPA bf16; 6. the engine smoke:
    greedy tokens with the kernels vs the torch path, Llama-3.1-8B shapes carrying a trained model
@@ -320,6 +321,9 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
         # fp4; fp8 keys with fp4 values (kv_cache_dtype fp8-fp4: the generic kernel)
         kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
         row["fp8_fp4_ms"] = bench(lambda: decode_attention(q, k8, vp, table, sl, scale, ctx, (None, FORMATS[1])))
+        # the Gluon fp8 kernel's fp4-value build (off the rule until checked on a GPU: decode_attention.FP8_FP4_GLUON)
+        row["fp8_fp4_gluon_ms"] = bench(lambda: decode_attention(q, k8, vp, table, sl, scale, ctx, (None, FORMATS[1]),
+                                                                 options=DecodeOptions(kernel="gluon")))
         del k8
         row["fp4_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
         # the Gluon kernel with loads into registers instead of its cp.async ring (the default, fp4_ms)
@@ -375,6 +379,7 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
         for build in ("triton", "ahead0", "ahead1", "ahead2", "2x_splits"):
             row[f"fp8_{build}_speedup_vs_sdpa"] = row["sdpa_ms"] / row[f"fp8_{build}_ms"]
         row["fp8_fp4_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp8_fp4_ms"]
+        row["fp8_fp4_gluon_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp8_fp4_gluon_ms"]
         row["fp8_fp4_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP8_FP4_BYTES / (row["fp8_fp4_ms"] * 1e-3) / copy_bw
         row["fp4_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP4_BYTES / (row["fp4_ms"] * 1e-3) / copy_bw
         row["sdpa_eff_bw_pct_copy"] = 100 * kv_bytes / (row["sdpa_ms"] * 1e-3) / copy_bw
@@ -641,11 +646,12 @@ def print_tables(results: dict) -> None:
                   f"{r['fp8_ahead1_speedup_vs_sdpa']:.2f} {r['fp8_ahead2_speedup_vs_sdpa']:.2f} "
                   f"{r['fp8_2x_splits_speedup_vs_sdpa']:.2f} {r['fp8_triton_speedup_vs_sdpa']:.2f} | "
                   f"{r['fp8_speedup_vs_triton']:.2f} | {r['fp8_eff_bw_pct_copy']:.0f}")
-        print("model ctx batch | sdpa_ms fp8_ms fp8_fp4_ms fp4_ms | fp8 x sdpa | fp8-fp4 x sdpa | fp4 x sdpa | "
+        print("model ctx batch | sdpa_ms fp8_ms fp8_fp4_ms fp4_ms | fp8 x sdpa | fp8-fp4 x sdpa (Gluon) | fp4 x sdpa | "
               "fp8 %copy fp8-fp4 %copy fp4 %copy")
         for r in results["decode"]:
             print(f"{r['model']} {r['ctx']} {r['batch']} | {r['sdpa_ms']:.4f} {r['fp8_ms']:.4f} {r['fp8_fp4_ms']:.4f} "
-                  f"{r['fp4_ms']:.4f} | {r['fp8_speedup_vs_sdpa']:.2f} | {r['fp8_fp4_speedup_vs_sdpa']:.2f} | "
+                  f"{r['fp4_ms']:.4f} | {r['fp8_speedup_vs_sdpa']:.2f} | {r['fp8_fp4_speedup_vs_sdpa']:.2f} "
+                  f"({r['fp8_fp4_gluon_speedup_vs_sdpa']:.2f}) | "
                   f"{r['fp4_speedup_vs_sdpa']:.2f} | {r['fp8_eff_bw_pct_copy']:.0f} {r['fp8_fp4_eff_bw_pct_copy']:.0f} "
                   f"{r['fp4_eff_bw_pct_copy']:.0f}")
 

@@ -65,8 +65,8 @@ PROGRAM_COST_TOKENS = 160
 FP8_BLOCK_N, FP8_STAGES, FP8_PROGRAMS_PER_SM = 64, 2, 2
 # fp8 K and V pages run decode_fp8_gluon's kernel where it can (its `unsupported`), else _decode_fp8_kernel: on an
 # H100 it was 1.08-1.55x the Triton kernel's speed at 8B and 70B-TP8 shapes, 8k-32k, batch 1-128, but for one row
-# timed first after quantizing 17 GB (0.98x there; the same build timed next: 1.10x) (bench/RESULTS.md, "Decode
-# attention"). False keeps the Triton kernel (for comparisons).
+# timed first after quantizing 17 GB (0.98x there; its builds timed after that first one: 1.10-1.16x)
+# (bench/RESULTS.md, "Decode attention"). False keeps the Triton kernel (for comparisons).
 FP8_GLUON = True
 # fp8 keys with fp4 values (kv_cache_dtype fp8-fp4) in the same kernel (its V_FP4 build: the fp4 kernel's value
 # operand); off by the rule (the generic kernel runs them) until it is checked and timed on a GPU:
