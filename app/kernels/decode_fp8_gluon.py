@@ -24,7 +24,6 @@ with fp8's operands (its docstring explains the orientation, the warps and the s
 - Loads. No shared memory: each warp loads its 16 tokens of a 64-token tile into registers, the loads
   of the next PREFETCH (1 or 2) whole tiles issued before the current one is attended, so they fly while
   it computes (prefetch_for picks the build per launch). The partial tile, if any, is attended first.
-
 - fp8 keys with fp4 values (V_FP4, kv_cache_dtype fp8-fp4): the values go through decode_fp4_gluon's value
   operand and fp16 map (its V_LOAD, group scales and the per-vector exponent folded into the softmax max);
   not yet run on a GPU, so decode_attention takes it only when asked for (FP8_FP4_GLUON).
