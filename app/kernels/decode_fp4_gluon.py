@@ -1015,6 +1015,31 @@ if AVAILABLE:
         return m_i, l_i, acc
 
     @gluon.jit
+    def program_split(seq_lens_ptr, b, sp, split_size, num_splits, TILE: gl.constexpr):
+        """(start, end) of this program's tokens: sequence b's own length in num_splits splits of whole tiles,
+        none longer than the plan's split_size. A sequence shorter than the plan (a decode graph plans for
+        max_model_len, or a short one beside long ones) spreads over as many of its splits as it has tiles for,
+        on shorter splits, not a few full splits and the rest empty. int32 (the engine passes int64 lengths;
+        the ring indexes stages by int32)."""
+        seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
+        tiles = gl.minimum(split_size // TILE, ((seq_len + num_splits - 1) // num_splits + (TILE - 1)) // TILE)
+        split = tiles * TILE  # written as a product so that the compiler knows it is whole tiles
+        start = sp * split
+        return start, gl.minimum(seq_len, start + split)
+
+    @gluon.jit
+    def load_index(LOAD: gl.constexpr):
+        """Index vectors of a [W, N1, N2, N3] load layout (K_LOAD, V_LOAD), each broadcastable against the others:
+        the warp [W, 1, 1] and dims 1 [1, N1, 1] and 2 [1, 1, N2] in its first three dims' layout, and dim 3 (the
+        words) [1, 1, 1, N3] in LOAD."""
+        L3: gl.constexpr = gl.SliceLayout(3, LOAD)
+        w = gl.expand_dims(gl.expand_dims(gl.arange(0, LOAD.shape[0], layout=gl.SliceLayout(1, gl.SliceLayout(2, L3))), 1), 2)
+        a = gl.expand_dims(gl.expand_dims(gl.arange(0, LOAD.shape[1], layout=gl.SliceLayout(0, gl.SliceLayout(2, L3))), 0), 2)
+        c = gl.expand_dims(gl.expand_dims(gl.arange(0, LOAD.shape[2], layout=gl.SliceLayout(0, gl.SliceLayout(1, L3))), 0), 1)
+        e = gl.arange(0, LOAD.shape[3], layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LOAD))))
+        return w, a, c, gl.expand_dims(gl.expand_dims(gl.expand_dims(e, 0), 1), 2)
+
+    @gluon.jit
     def store_output(o, m_all, l_tot, empty, out_ptr, part_o_ptr, part_lse_ptr, b, h, sp, num_splits, H: gl.constexpr,
                      GROUP: gl.constexpr, SPLIT: gl.constexpr):
         """A program's normalized O^T [D, NH] (row 16 i + 8 hr + g holding head dimension 16 g + 2 i + hr, the
@@ -1061,15 +1086,7 @@ if AVAILABLE:
         h = gl.program_id(0)
         b = gl.program_id(1)
         sp = gl.program_id(2)
-        seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)  # the engine passes int64; the ring indexes stages by int32
-        # This sequence's own length in num_splits splits of whole tiles, none longer than the plan's
-        # split_size: a sequence shorter than the plan (a decode graph plans for max_model_len, or a
-        # short one beside long ones) spreads over as many of its splits as it has tiles for, on shorter
-        # splits, not a few full splits and the rest empty.
-        tiles = gl.minimum(split_size // (WN * TW), ((seq_len + num_splits - 1) // num_splits + (WN * TW - 1)) // (WN * TW))
-        split = tiles * (WN * TW)  # written as a product so that the compiler knows it is whole tiles
-        start = sp * split
-        end = gl.minimum(seq_len, start + split)
+        start, end = program_split(seq_lens_ptr, b, sp, split_size, num_splits, WN * TW)
         bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
         q_base = q_ptr + b.to(gl.int64) * stride_q_seq + (h * GROUP) * stride_q_head
         qt_base = qt_ptr + (b * H + h).to(gl.int64) * (D * GROUP)  # query x sm_scale_log2 transposed, [D, GROUP]
@@ -1084,19 +1101,8 @@ if AVAILABLE:
             qt_cols = qt_base + n_s3 % 4
         else:
             qt_cols = qt_base + n_s3
-        KL3: gl.constexpr = gl.SliceLayout(3, K_LOAD)
-        w_k = gl.expand_dims(gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL3))), 1), 2)
-        r_k = gl.expand_dims(gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL3))), 0), 2)
-        t_k = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL3))), 0), 1)
-        b_k = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, K_LOAD))))
-        b_k = gl.expand_dims(gl.expand_dims(gl.expand_dims(b_k, 0), 1), 2)  # [1, 1, 1, 4] words
-        VL3: gl.constexpr = gl.SliceLayout(3, V_LOAD)
-        w_v = gl.expand_dims(gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL3))), 1), 2)
-        p_v = gl.arange(0, TW // 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL3)))
-        p_v = gl.expand_dims(gl.expand_dims(p_v, 0), 2)
-        g_v = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VL3))), 0), 1)
-        b_v = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, V_LOAD))))
-        b_v = gl.expand_dims(gl.expand_dims(gl.expand_dims(b_v, 0), 1), 2)  # [1, 1, 1, 2] words
+        w_k, r_k, t_k, b_k = load_index(K_LOAD)  # warp, token, thread t's 16 bytes, word
+        w_v, p_v, g_v, b_v = load_index(V_LOAD)  # warp, token pair, lane group g's 8 bytes, word
         off_kc = gl.expand_dims(r_k * (H * (D // 8)) + 4 * t_k, 3) + b_k  # [1, TW, 4, 4] words within a tile
         off_vc = gl.expand_dims(2 * p_v * (H * (D // 8)) + 2 * g_v, 3) + b_v  # token 2 pair, bytes 8g.. (words)
         tile = WN * TW

@@ -48,7 +48,8 @@ if AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from app.kernels.decode_fp4_gluon import _as_f16_pairs, _masked_load, _query_scale, _tile_base, store_output
+    from app.kernels.decode_fp4_gluon import (_as_f16_pairs, _masked_load, _query_scale, _tile_base, load_index,
+                                              program_split, store_output)
     from app.kernels.decode_fp4_gluon import _value_operand as _fp4_value_operand
 
 # One word of E4M3 bytes ($2) -> fp16 pairs of bytes (0, 1) ($0) and (2, 3) ($1).
@@ -234,13 +235,7 @@ if AVAILABLE:
         h = gl.program_id(0)
         b = gl.program_id(1)
         sp = gl.program_id(2)
-        seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
-        # this sequence's own length in num_splits splits of whole tiles, none longer than split_size
-        # (decode_fp4_gluon's kernel does the same: a short sequence spreads over its splits)
-        tiles = gl.minimum(split_size // (WN * TW), ((seq_len + num_splits - 1) // num_splits + (WN * TW - 1)) // (WN * TW))
-        split = tiles * (WN * TW)
-        start = sp * split
-        end = gl.minimum(seq_len, start + split)
+        start, end = program_split(seq_lens_ptr, b, sp, split_size, num_splits, WN * TW)
         bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
         q_base = q_ptr + b.to(gl.int64) * stride_q_seq + (h * GROUP) * stride_q_head
         tile = WN * TW
@@ -250,19 +245,9 @@ if AVAILABLE:
         S_ROW: gl.constexpr = gl.SliceLayout(2, MMA)  # [WN, TW] rows of S^T
         w_s = gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, S_ROW)), 1)
         r_s = gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, S_ROW)), 0)
-        KL3: gl.constexpr = gl.SliceLayout(3, K_LOAD)
-        w_k = gl.expand_dims(gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL3))), 1), 2)
-        r_k = gl.expand_dims(gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL3))), 0), 2)
-        t_k = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL3))), 0), 1)
-        j_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, K_LOAD))))
-        j_k = gl.expand_dims(gl.expand_dims(gl.expand_dims(j_k, 0), 1), 2)  # [1, 1, 1, 8] words
-        VL3: gl.constexpr = gl.SliceLayout(3, V_LOAD)
-        w_v = gl.expand_dims(gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, gl.SliceLayout(2, VL3))), 1), 2)
-        p_v = gl.expand_dims(gl.expand_dims(gl.arange(0, TW // 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, VL3))), 0), 2)
-        g_v = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VL3))), 0), 1)
+        w_k, r_k, t_k, j_k = load_index(K_LOAD)  # warp, token, thread t's 32 bytes, word
+        w_v, p_v, g_v, c_v = load_index(V_LOAD)  # warp, token pair, lane group g's bytes, word
         CW: gl.constexpr = V_LOAD.shape[3]  # words per lane group and token: 4 (fp8), 2 (fp4 values)
-        c_v = gl.arange(0, CW, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, V_LOAD))))
-        c_v = gl.expand_dims(gl.expand_dims(gl.expand_dims(c_v, 0), 1), 2)  # [1, 1, 1, CW] words
         off_k = gl.expand_dims(r_k * (H * (D // 4)) + 8 * t_k, 3) + j_k  # words within a tile's row block
         if V_FP4:  # code rows of 16 words; a token's 4 group scale bytes, lane group g reads group g // 2
             off_v = gl.expand_dims(2 * p_v * (H * (D // 8)) + CW * g_v, 3) + c_v  # token 2 pair, bytes 8 g..
