@@ -92,6 +92,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def worst_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest relative error over (sequence, query head): one bad split or tile of one long
+    sequence shows here, where a norm over the whole batch would average it away."""
+    assert not out.isnan().any(), "NaN in the output: an element was never written"
+    diff = (out.float() - ref.float()).norm(dim=-1)
+    return (diff / ref.float().norm(dim=-1).clamp_min(1e-6)).max().item()
+
+
 def poison(pages):
     """Fill every page array with a bit pattern no kernel writes (NaN for floating dense pages)."""
     if isinstance(pages, torch.Tensor):

@@ -24,7 +24,7 @@ from app.kernels import decode_fp8_gluon, fp8, paged
 from app.kernels.attention_ref import decode_attention_ref
 from app.kernels.decode_attention import DecodeOptions, decode_attention
 from app.kernels.fp4 import FP4Format
-from kernels_testing import DEFAULT_FP4, block_tables, keys_like_llama, pages_to
+from kernels_testing import DEFAULT_FP4, block_tables, keys_like_llama, pages_to, worst_rel_err
 
 needs_gluon = pytest.mark.skipif(not decode_fp8_gluon.AVAILABLE, reason="this Triton has no Gluon")
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or paged.interpreting()
@@ -148,13 +148,6 @@ def test_every_build_compiles_for_sm_90():
 SEQ_LENS = [1, 15, 16, 17, 63, 64, 65, 128, 150, 192, 255, 1025, 1027, 4099]
 
 
-def _worst_rel_err(out, ref):
-    """The largest relative error over (sequence, query head)."""
-    assert not out.isnan().any(), "NaN in the output: an element was never written"
-    diff = (out.float() - ref.float()).norm(dim=-1)
-    return (diff / ref.float().norm(dim=-1).clamp_min(1e-6)).max().item()
-
-
 @on_gpu
 @needs_gluon
 @pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 1), (2, 2), (2, 3)])
@@ -169,10 +162,10 @@ def test_matches_reference_on_gpu(kv_heads, group, num_splits, prefetch, maxnreg
     decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), out=out,
                      options=DecodeOptions(kernel="gluon", num_splits=num_splits, prefetch=prefetch, maxnreg=maxnreg))
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, (None, None))
-    assert _worst_rel_err(out, ref) < 1e-2
+    assert worst_rel_err(out, ref) < 1e-2
     triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS),
                                   options=DecodeOptions(kernel="fp8", num_splits=num_splits))
-    assert _worst_rel_err(out, triton_out) < 1e-2
+    assert worst_rel_err(out, triton_out) < 1e-2
 
 
 def _fp8_fp4_pages(seq_lens, kv_heads, block_size, seed, v_mult=1.0):
@@ -205,10 +198,10 @@ def test_fp4_values_match_reference_on_gpu(kv_heads, group, num_splits, prefetch
     decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, out=out,
                      options=DecodeOptions(kernel="gluon", num_splits=num_splits, prefetch=prefetch))
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
-    assert _worst_rel_err(out, ref) < 1e-2
+    assert worst_rel_err(out, ref) < 1e-2
     generic = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
                                options=DecodeOptions(kernel="generic", num_splits=num_splits))
-    assert _worst_rel_err(out, generic) < 1e-2
+    assert worst_rel_err(out, generic) < 1e-2
 
 
 @on_gpu
@@ -228,7 +221,7 @@ def test_extreme_magnitudes_on_gpu(num_splits):
                            options=DecodeOptions(kernel="gluon", num_splits=num_splits))
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, (None, None))
     for i in range(len(seq_lens)):  # each sequence's outputs have their own magnitude
-        assert _worst_rel_err(out[i:i + 1], ref[i:i + 1].to(out.device)) < 1e-2, i
+        assert worst_rel_err(out[i:i + 1], ref[i:i + 1].to(out.device)) < 1e-2, i
 
 
 @on_gpu
@@ -265,7 +258,7 @@ def test_default_route_is_gluon_with_engine_inputs_on_gpu():
         assert torch.equal(default, forced)
         assert not torch.equal(default, triton_out)
         ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, (None, None))
-        assert _worst_rel_err(default, ref) < 1e-2
+        assert worst_rel_err(default, ref) < 1e-2
 
 
 @on_gpu
@@ -282,7 +275,7 @@ def test_64_bit_offsets_on_gpu(monkeypatch):
         out = torch.full_like(query, float("nan"))
         decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), out=out,
                          options=DecodeOptions(kernel="gluon", num_splits=num_splits, prefetch=prefetch))
-        assert _worst_rel_err(out, ref) < 1e-2
+        assert worst_rel_err(out, ref) < 1e-2
 
 
 @on_gpu

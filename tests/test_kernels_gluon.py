@@ -23,7 +23,7 @@ from app.kernels import decode_fp4_gluon, paged
 from app.kernels.attention_ref import decode_attention_ref
 from app.kernels.decode_attention import DecodeOptions, decode_attention
 from app.kernels.fp4 import FP4Format
-from kernels_testing import DEFAULT_FP4, cuda_fp4_pages
+from kernels_testing import DEFAULT_FP4, cuda_fp4_pages, worst_rel_err
 
 needs_gluon = pytest.mark.skipif(not decode_fp4_gluon.AVAILABLE, reason="this Triton has no Gluon")
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or paged.interpreting(),
@@ -216,14 +216,6 @@ def test_the_query_takes_two_byte_loads_where_its_vector_loads_do_not_fit(monkey
     assert not decode_fp4_gluon.query_vector_fits(129, 0) and not decode_fp4_gluon.query_vector_fits(128, 8)
 
 
-def _worst_rel_err(out, ref):
-    """The largest relative error over (sequence, query head): one bad split or tile of one long
-    sequence shows here, where a norm over the whole batch would average it away."""
-    assert not out.isnan().any(), "NaN in the output: an element was never written"
-    diff = (out.float() - ref.float()).norm(dim=-1)
-    return (diff / ref.float().norm(dim=-1).clamp_min(1e-6)).max().item()
-
-
 SEQ_LENS = [1, 15, 16, 17, 63, 64, 65, 1025, 1027, 4099]
 
 
@@ -243,10 +235,10 @@ def test_matches_reference_on_gpu(kv_heads, group, key_outliers, num_splits, sta
     decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, out=out,
                      options=DecodeOptions(kernel="gluon", num_splits=num_splits, num_stages=stages))
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
-    assert _worst_rel_err(out, ref) < 1e-2
+    assert worst_rel_err(out, ref) < 1e-2
     triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
                                   options=DecodeOptions(kernel="fp4"))
-    assert _worst_rel_err(out, triton_out) < 1e-2
+    assert worst_rel_err(out, triton_out) < 1e-2
 
 
 @on_gpu
@@ -266,14 +258,14 @@ def test_key_groups_of_8_match_reference_on_gpu(kv_heads, group, num_splits):
     decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, out=out,
                      options=DecodeOptions(kernel="gluon", num_splits=num_splits))
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
-    assert _worst_rel_err(out, ref) < 1e-2
+    assert worst_rel_err(out, ref) < 1e-2
     triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
                                   options=DecodeOptions(kernel="fp4"))
-    assert _worst_rel_err(out, triton_out) < 1e-2
+    assert worst_rel_err(out, triton_out) < 1e-2
     if num_splits is None and group == 4:  # loads into registers: the Triton kernel runs them, or Gluon says why
         stage0 = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
                                   options=DecodeOptions(num_stages=0))
-        assert _worst_rel_err(stage0, ref) < 1e-2
+        assert worst_rel_err(stage0, ref) < 1e-2
         with pytest.raises(ValueError, match="cannot run this decode: key groups of 8 run on the cp.async ring"):
             decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
                              options=DecodeOptions(kernel="gluon", num_stages=0))
@@ -315,7 +307,7 @@ def test_key_groups_of_8_other_builds_on_gpu(monkeypatch, stages, fp16, off64):
             decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, out=out,
                              options=DecodeOptions(kernel="gluon", num_splits=num_splits, num_stages=stages,
                                                    fp16=fp16))
-            assert _worst_rel_err(out, ref) < 1e-2, (kv_heads, group, num_splits)
+            assert worst_rel_err(out, ref) < 1e-2, (kv_heads, group, num_splits)
     assert [(g, n) for g, n, _ in seen] == [(4, 1), (4, 7), (8, 1), (8, 7)], seen
     for group, num_splits, c in seen:
         assert (c["KG8"], c["K_KO"], c["STAGES"], c["F16"], c["OFF64"]) == (True, 0, stages, fp16, off64), c
@@ -339,7 +331,7 @@ def test_ring_whole_tile_counts_on_gpu(stages, kv_heads, group):
     decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), DEFAULT_FP4, out=out,
                      options=DecodeOptions(kernel="gluon", num_splits=1, num_stages=stages))
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
-    assert _worst_rel_err(out, ref) < 1e-2
+    assert worst_rel_err(out, ref) < 1e-2
 
 
 @on_gpu
@@ -367,7 +359,7 @@ def test_tile_pairs_on_gpu(num_splits, kv_heads, group, fp16):
     decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(seq_lens), DEFAULT_FP4, out=out,
                      options=DecodeOptions(kernel="gluon", num_splits=num_splits, pair=1, fp16=fp16))
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
-    assert _worst_rel_err(out, ref) < 1e-2
+    assert worst_rel_err(out, ref) < 1e-2
 
 
 @on_gpu
@@ -400,7 +392,7 @@ def test_a_short_sequence_gives_the_same_result_in_either_build_on_gpu(monkeypat
     assert builds == [pair, 0]  # the paired build, then the single-tile one
     assert torch.equal(both[1:], alone)
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
-    assert _worst_rel_err(both, ref) < 1e-2
+    assert worst_rel_err(both, ref) < 1e-2
 
 
 @on_gpu
@@ -435,7 +427,7 @@ def test_the_querys_vector_loads_give_the_two_byte_loads_result_on_gpu(monkeypat
                 outs.append(out)
             assert torch.equal(outs[0], outs[1]), (key_outliers, num_splits)
             ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
-            assert _worst_rel_err(outs[0], ref) < 1e-2
+            assert worst_rel_err(outs[0], ref) < 1e-2
     assert all(c["F16"] for c in built)
     if (kv_heads, group) == (8, 4) and triton.__version__.startswith("3.6."):
         # Triton 3.6 pairs these (no spill; 3.9's paired kernel spills, so single tiles): the sequences
@@ -462,7 +454,7 @@ def test_tile_pairs_that_spill_fall_back_to_single_tiles_on_gpu(monkeypatch):
     assert launch.constexprs["PAIR"] == 0 and "maxnreg" not in launch.constexprs
     assert launch._compiled()[2] == 0  # what ran did not spill
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
-    assert _worst_rel_err(out, ref) < 1e-2
+    assert worst_rel_err(out, ref) < 1e-2
 
 
 @on_gpu
@@ -485,7 +477,7 @@ def test_a_sequence_shorter_than_the_plan_spreads_over_its_splits_on_gpu(stages,
     decode_attention(query, kp, vp, table, lens, 128 ** -0.5, 8192, DEFAULT_FP4, out=out,
                      options=DecodeOptions(kernel="gluon", num_splits=4, num_stages=stages))
     ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
-    assert _worst_rel_err(out, ref) < 1e-2
+    assert worst_rel_err(out, ref) < 1e-2
     (lse,) = seen  # [sequences, heads, splits]
     assert lse.isfinite().sum(-1).tolist() == [[4] * 8, [1] * 8, [4] * 8]
 
@@ -511,8 +503,8 @@ def test_code_maps_match_reference_on_gpu(fp16, kv_heads, group, stages):
             out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), DEFAULT_FP4,
                                    options=DecodeOptions(kernel="gluon", num_splits=num_splits, num_stages=stages,
                                                          fp16=fp16))
-            assert _worst_rel_err(out, ref) < 1e-2, (v_mult, num_splits)
-            assert _worst_rel_err(out, triton_out) < 1e-2, (v_mult, num_splits)
+            assert worst_rel_err(out, ref) < 1e-2, (v_mult, num_splits)
+            assert worst_rel_err(out, triton_out) < 1e-2, (v_mult, num_splits)
 
 
 @on_gpu
@@ -535,7 +527,7 @@ def test_default_route_is_gluon_with_engine_inputs_on_gpu():
         assert torch.equal(default, forced)
         assert not torch.equal(default, triton_out)
         ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
-        assert _worst_rel_err(default, ref) < 1e-2
+        assert worst_rel_err(default, ref) < 1e-2
 
 
 @on_gpu
@@ -559,7 +551,7 @@ def test_default_is_the_ring_on_gpu():
             for st in (None, decode_fp4_gluon.STAGES, 0))
         assert torch.equal(default, ring) and not torch.equal(default, registers)
         ref = decode_attention_ref(query, kp, vp, table, sl, 128 ** -0.5, DEFAULT_FP4)
-        assert _worst_rel_err(registers, ref) < 1e-2 and _worst_rel_err(ring, ref) < 1e-2
+        assert worst_rel_err(registers, ref) < 1e-2 and worst_rel_err(ring, ref) < 1e-2
 
 
 @on_gpu
@@ -579,7 +571,7 @@ def test_64_bit_offsets_on_gpu(monkeypatch):
         out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), DEFAULT_FP4,
                                options=DecodeOptions(kernel="gluon", num_splits=num_splits, num_stages=stages))
         ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, DEFAULT_FP4)
-        assert _worst_rel_err(out, ref) < 1e-2
+        assert worst_rel_err(out, ref) < 1e-2
 
 
 @on_gpu
@@ -594,4 +586,4 @@ def test_falls_back_outside_its_scope_on_gpu():
         decode_attention(query, kp, vp, table, lens, 0.1, 100, formats, options=DecodeOptions(kernel="gluon"))
     out = decode_attention(query, kp, vp, table, lens, 0.1, 100, formats)
     ref = decode_attention_ref(query, kp, vp, table, lens, 0.1, formats)
-    assert _worst_rel_err(out, ref) < 1e-2
+    assert worst_rel_err(out, ref) < 1e-2
