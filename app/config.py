@@ -315,8 +315,9 @@ class ServerConfig(BaseModel):
         "in the application's LLMServer and OpenAIIngress replicas: how long a thread that wants the GIL waits "
         "before the running one must drop it. An LLMServer's engine thread takes the GIL back after each wait on "
         "the device while the replica's event loop runs the streams' Python; at Python's default (5 ms) it can wait "
-        "that long. On one H100, 32 streaming sessions with 0.5 ms in every process against a run at 5 ms: "
-        "inter-token p50 over the handle API 8.0 ms against 12.4 ms (bench/RESULTS.md, not yet a same-call A/B). "
+        "that long. On one H100 (8B shapes, 32 streaming sessions, one machine, 0.5 ms against 5 ms): the sessions "
+        "took 1.20x (HTTP) and 1.35x (handle API) as long at 5 ms, the handle path's inter-token p50 12.4 ms "
+        "against 8.4 ms (bench/RESULTS.md, 'The product on one GPU'). "
         "A Ray program streaming through the handle API can set it in its own process too. None: Python's default.",
     )
     serve_throughput_optimized: bool = Field(
