@@ -281,7 +281,8 @@ def note_gluon_resources(results: dict, launch) -> None:
     results["gluon_shared_bytes"][f"group {c['GROUP']} {slots} {stages} {fp16}"] = shared
 
 
-def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool, save=lambda: None) -> None:
+def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool, save=lambda: None,
+                   lean: bool = False) -> None:
     rows = results["decode"] = []
     results["gluon_registers"], results["gluon_shared_bytes"] = {}, {}
     for row, q, table, sl, scale, nb in decode_cases(contexts, batches):
@@ -302,33 +303,35 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
         k8, v8 = fp8.fp8_quantize(kp), fp8.fp8_quantize(vp)
         del kp, vp
         row["fp8_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx))
-        for ahead in (0, 1, 2):
-            row[f"fp8_ahead{ahead}_ms"] = bench(lambda: decode_attention(
-                q, k8, v8, table, sl, scale, ctx, options=DecodeOptions(kernel="gluon", prefetch=ahead)))
         const = decode_fp8_gluon.constexprs(q, k8, v8)
         splits = num_splits_for(batch, hk, ctx, DEV, GLUON_TILE,
                                 decode_fp8_gluon.programs_per_sm(q, k8, v8, table, sl, const), fp4_rule=True)
         row["fp8_num_splits"] = splits
         row["fp8_rule_ahead"] = decode_fp8_gluon.prefetch_for(batch * hk * split_plan(ctx, splits, GLUON_TILE)[1],
                                                               torch.cuda.get_device_properties(DEV).multi_processor_count)
-        row["fp8_2x_splits_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx,
-                                                                 options=DecodeOptions(num_splits=2 * splits)))
         row["fp8_triton_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx,
                                                               options=DecodeOptions(kernel="fp8")))
-        row["fp8_generic_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx,
-                                                               options=DecodeOptions(kernel="generic")))
+        if not lean:
+            for ahead in (0, 1, 2):
+                row[f"fp8_ahead{ahead}_ms"] = bench(lambda: decode_attention(
+                    q, k8, v8, table, sl, scale, ctx, options=DecodeOptions(kernel="gluon", prefetch=ahead)))
+            row["fp8_2x_splits_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx,
+                                                                     options=DecodeOptions(num_splits=2 * splits)))
+            row["fp8_generic_ms"] = bench(lambda: decode_attention(q, k8, v8, table, sl, scale, ctx,
+                                                                   options=DecodeOptions(kernel="generic")))
         del v8
         # fp4; fp8 keys with fp4 values (kv_cache_dtype fp8-fp4: the generic kernel)
         kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
         row["fp8_fp4_ms"] = bench(lambda: decode_attention(q, k8, vp, table, sl, scale, ctx, (None, FORMATS[1])))
-        # the Gluon fp8 kernel's fp4-value build (off the rule until checked on a GPU: decode_attention.FP8_FP4_GLUON)
-        row["fp8_fp4_gluon_ms"] = bench(lambda: decode_attention(q, k8, vp, table, sl, scale, ctx, (None, FORMATS[1]),
-                                                                 options=DecodeOptions(kernel="gluon")))
+        # the generic kernel on them (the fp8-fp4 path before the Gluon fp8 kernel's fp4-value build, which the rule takes
+        # while decode_attention.FP8_FP4_GLUON)
+        row["fp8_fp4_generic_ms"] = bench(lambda: decode_attention(q, k8, vp, table, sl, scale, ctx, (None, FORMATS[1]),
+                                                                   options=DecodeOptions(kernel="generic")))
         del k8
         row["fp4_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS))
-        # the Gluon kernel with loads into registers instead of its cp.async ring (the default, fp4_ms)
-        row["fp4_regload_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
-                                                               options=DecodeOptions(num_stages=0)))
+        if not lean:  # the Gluon kernel with loads into registers instead of its cp.async ring (the default, fp4_ms)
+            row["fp4_regload_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
+                                                                   options=DecodeOptions(num_stages=0)))
         pps = decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers).programs_per_sm()
         for stages in (None, 0):  # the ring (fp4_ms) and loads into registers (fp4_regload_ms)
             note_gluon_resources(results, decode_fp4_gluon.Launch(q, kp, vp, table, sl, 1.0, FORMATS[0].outliers,
@@ -338,9 +341,9 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
         # the Triton fp4 kernel (the default before decode_fp4_gluon) on the same pages
         row["fp4_triton_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
                                                               options=DecodeOptions(kernel="fp4")))
-        # the generic kernel on the same pages (the fp4 path before _decode_fp4_kernel)
-        row["fp4_generic_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
-                                                               options=DecodeOptions(kernel="generic")))
+        if not lean:  # the generic kernel on the same pages (the fp4 path before _decode_fp4_kernel)
+            row["fp4_generic_ms"] = bench(lambda: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
+                                                                   options=DecodeOptions(kernel="generic")))
         if model == "8B" and ctx == 1024 and batch == 1:
             results["launch_overhead_us"] = {
                 "decode_fp4_host_us_per_call": host_us(
@@ -366,20 +369,21 @@ def decode_section(results: dict, copy_bw: float, contexts, batches, tune: bool,
             del kp0
         del kp, vp
         torch.cuda.empty_cache()
+        ratio = lambda a, b: row[a] / row[b] if a in row and b in row else None  # noqa: E731 (lean rows lack some)
         row["fp4_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp4_ms"]
-        row["fp4_speedup_vs_generic"] = row["fp4_generic_ms"] / row["fp4_ms"]
+        row["fp4_speedup_vs_generic"] = ratio("fp4_generic_ms", "fp4_ms")
         row["fp4_speedup_vs_triton"] = row["fp4_triton_ms"] / row["fp4_ms"]
-        row["fp4_speedup_vs_regload"] = row["fp4_regload_ms"] / row["fp4_ms"]
+        row["fp4_speedup_vs_regload"] = ratio("fp4_regload_ms", "fp4_ms")
         row["bf16_paged_vs_sdpa"] = row["bf16_paged_ms"] / row["sdpa_ms"]
         row["fp8_speedup_vs_bf16_paged"] = row["bf16_paged_ms"] / row["fp8_ms"]
-        row["fp8_speedup_vs_generic"] = row["fp8_generic_ms"] / row["fp8_ms"]
+        row["fp8_speedup_vs_generic"] = ratio("fp8_generic_ms", "fp8_ms")
         row["fp8_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP8_BYTES / (row["fp8_ms"] * 1e-3) / copy_bw
         row["fp8_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp8_ms"]
         row["fp8_speedup_vs_triton"] = row["fp8_triton_ms"] / row["fp8_ms"]
         for build in ("triton", "ahead0", "ahead1", "ahead2", "2x_splits"):
-            row[f"fp8_{build}_speedup_vs_sdpa"] = row["sdpa_ms"] / row[f"fp8_{build}_ms"]
+            row[f"fp8_{build}_speedup_vs_sdpa"] = ratio("sdpa_ms", f"fp8_{build}_ms")
         row["fp8_fp4_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp8_fp4_ms"]
-        row["fp8_fp4_gluon_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp8_fp4_gluon_ms"]
+        row["fp8_fp4_generic_speedup_vs_sdpa"] = row["sdpa_ms"] / row["fp8_fp4_generic_ms"]
         row["fp8_fp4_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP8_FP4_BYTES / (row["fp8_fp4_ms"] * 1e-3) / copy_bw
         row["fp4_eff_bw_pct_copy"] = 100 * batch * ctx * hk * FP4_BYTES / (row["fp4_ms"] * 1e-3) / copy_bw
         row["sdpa_eff_bw_pct_copy"] = 100 * kv_bytes / (row["sdpa_ms"] * 1e-3) / copy_bw
@@ -578,6 +582,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--tune", action="store_true",
                     help="also time decode variants (split rules, register caps, Triton kernel options)")
+    ap.add_argument("--lean", action="store_true",
+                    help="decode: only the rules' kernels, the split merge as a second kernel, and the Triton fp4/fp8 "
+                         "kernels (not each fp8 build, twice the splits, the generic kernel, fp4 loads into registers)")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: checks,decode,store,prefill,smoke")
     ap.add_argument("--stories", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models",
                                                       "stories260K"),
@@ -598,7 +605,7 @@ def main() -> None:
         "checks": lambda: checks(results),
         "decode": lambda: decode_section(results, results["copy_bw_GBps"] * 1e9,
                                          [int(c) for c in args.contexts.split(",")],
-                                         [int(b) for b in args.batches.split(",")], args.tune, save),
+                                         [int(b) for b in args.batches.split(",")], args.tune, save, args.lean),
         "store": lambda: store_section(results),
         "prefill": lambda: prefill_section(results),
         "smoke": lambda: smoke_section(results, args.stories),
@@ -624,37 +631,35 @@ def main() -> None:
 def print_tables(results: dict) -> None:
     print(f"\n{results['device']}  copy {results['copy_bw_GBps']:.0f} GB/s  torch {results['torch']}  "
           f"triton {results['triton']}  {results['wall_s']:.0f} s")
-    if "decode" in results:
-        print("model ctx batch | sdpa_ms (backend) bf16_paged_ms fp4_ms fp4_triton_ms fp4_generic_ms | fp4 x sdpa | "
-              "fp4 x triton | fp4 x generic | bf16paged/sdpa | fp4 %copy sdpa %copy")
-        for r in results["decode"]:
-            print(f"{r['model']} {r['ctx']} {r['batch']} | {r['sdpa_ms']:.4f} ({r['sdpa_backend'][:5]}) "
-                  f"{r['bf16_paged_ms']:.4f} {r['fp4_ms']:.4f} {r['fp4_triton_ms']:.4f} {r['fp4_generic_ms']:.4f} | "
-                  f"{r['fp4_speedup_vs_sdpa']:.2f} | {r['fp4_speedup_vs_triton']:.2f} | {r['fp4_speedup_vs_generic']:.2f} | "
-                  f"{r['bf16_paged_vs_sdpa']:.2f} | {r['fp4_eff_bw_pct_copy']:.0f} {r['sdpa_eff_bw_pct_copy']:.0f}")
-        print("model ctx batch | bf16_paged_ms fp8_ms fp8_generic_ms | fp8 x bf16 paged | fp8 x generic | "
-              "fp8 %copy bf16paged %copy")
-        for r in results["decode"]:
-            print(f"{r['model']} {r['ctx']} {r['batch']} | {r['bf16_paged_ms']:.4f} {r['fp8_ms']:.4f} "
-                  f"{r['fp8_generic_ms']:.4f} | {r['fp8_speedup_vs_bf16_paged']:.2f} | {r['fp8_speedup_vs_generic']:.2f} | "
-                  f"{r['fp8_eff_bw_pct_copy']:.0f} {r['bf16_paged_eff_bw_pct_copy']:.0f}")
-        print("model ctx batch | sdpa_ms fp8_ms (Gluon, tiles ahead, splits) | x sdpa: fp8 (the rule), 0, 1, 2 tiles "
-              "ahead, 2x splits, Triton fp8 | fp8 x Triton fp8 | fp8 %copy")
-        for r in results["decode"]:
-            print(f"{r['model']} {r['ctx']} {r['batch']} | {r['sdpa_ms']:.4f} {r['fp8_ms']:.4f} ({r['fp8_rule_ahead']}, "
-                  f"{r['fp8_num_splits']}) | {r['fp8_speedup_vs_sdpa']:.2f} {r['fp8_ahead0_speedup_vs_sdpa']:.2f} "
-                  f"{r['fp8_ahead1_speedup_vs_sdpa']:.2f} {r['fp8_ahead2_speedup_vs_sdpa']:.2f} "
-                  f"{r['fp8_2x_splits_speedup_vs_sdpa']:.2f} {r['fp8_triton_speedup_vs_sdpa']:.2f} | "
-                  f"{r['fp8_speedup_vs_triton']:.2f} | {r['fp8_eff_bw_pct_copy']:.0f}")
-        print("model ctx batch | sdpa_ms fp8_ms fp8_fp4_ms fp4_ms | fp8 x sdpa | fp8-fp4 x sdpa (Gluon) | fp4 x sdpa | "
-              "fp8 %copy fp8-fp4 %copy fp4 %copy")
-        for r in results["decode"]:
-            print(f"{r['model']} {r['ctx']} {r['batch']} | {r['sdpa_ms']:.4f} {r['fp8_ms']:.4f} {r['fp8_fp4_ms']:.4f} "
-                  f"{r['fp4_ms']:.4f} | {r['fp8_speedup_vs_sdpa']:.2f} | {r['fp8_fp4_speedup_vs_sdpa']:.2f} "
-                  f"({r['fp8_fp4_gluon_speedup_vs_sdpa']:.2f}) | "
-                  f"{r['fp4_speedup_vs_sdpa']:.2f} | {r['fp8_eff_bw_pct_copy']:.0f} {r['fp8_fp4_eff_bw_pct_copy']:.0f} "
-                  f"{r['fp4_eff_bw_pct_copy']:.0f}")
+    if "decode" not in results:
+        return
 
+    def table(title: str, cols: list[tuple[str, str]]) -> None:
+        """One line per row: model ctx batch | each (key, format) column; '-' where the run did not time it (--lean)."""
+        print(f"model ctx batch | {title}")
+        for r in results["decode"]:
+            cells = [("-" if r.get(k) is None else format(r[k], f)) for k, f in cols]
+            print(f"{r['model']} {r['ctx']} {r['batch']} | " + " ".join(cells))
+
+    table("sdpa_ms bf16_paged_ms fp4_ms fp4_triton_ms fp4_generic_ms | fp4 x sdpa, x triton, x generic | "
+          "bf16paged/sdpa | fp4 %copy sdpa %copy",
+          [("sdpa_ms", ".4f"), ("bf16_paged_ms", ".4f"), ("fp4_ms", ".4f"),
+           ("fp4_triton_ms", ".4f"), ("fp4_generic_ms", ".4f"), ("fp4_speedup_vs_sdpa", ".2f"),
+           ("fp4_speedup_vs_triton", ".2f"), ("fp4_speedup_vs_generic", ".2f"),
+           ("bf16_paged_vs_sdpa", ".2f"), ("fp4_eff_bw_pct_copy", ".0f"), ("sdpa_eff_bw_pct_copy", ".0f")])
+    table("sdpa_ms fp8_ms (tiles ahead, splits) | x sdpa: fp8 (the rule), 0, 1, 2 tiles ahead, 2x splits, Triton fp8 | "
+          "fp8 x Triton fp8 | fp8 %copy",
+          [("sdpa_ms", ".4f"), ("fp8_ms", ".4f"), ("fp8_rule_ahead", "d"),
+           ("fp8_num_splits", "d"), ("fp8_speedup_vs_sdpa", ".2f"),
+           ("fp8_ahead0_speedup_vs_sdpa", ".2f"), ("fp8_ahead1_speedup_vs_sdpa", ".2f"),
+           ("fp8_ahead2_speedup_vs_sdpa", ".2f"), ("fp8_2x_splits_speedup_vs_sdpa", ".2f"),
+           ("fp8_triton_speedup_vs_sdpa", ".2f"), ("fp8_speedup_vs_triton", ".2f"), ("fp8_eff_bw_pct_copy", ".0f")])
+    table("sdpa_ms fp8_ms fp8_fp4_ms fp8_fp4_generic_ms fp4_ms | x sdpa: fp8, fp8-fp4 (the rule), fp8-fp4 (generic), fp4 | "
+          "fp8 %copy fp8-fp4 %copy fp4 %copy",
+          [("sdpa_ms", ".4f"), ("fp8_ms", ".4f"), ("fp8_fp4_ms", ".4f"), ("fp8_fp4_generic_ms", ".4f"), ("fp4_ms", ".4f"),
+           ("fp8_speedup_vs_sdpa", ".2f"), ("fp8_fp4_speedup_vs_sdpa", ".2f"), ("fp8_fp4_generic_speedup_vs_sdpa", ".2f"),
+           ("fp4_speedup_vs_sdpa", ".2f"), ("fp8_eff_bw_pct_copy", ".0f"), ("fp8_fp4_eff_bw_pct_copy", ".0f"),
+           ("fp4_eff_bw_pct_copy", ".0f")])
 
 if __name__ == "__main__":
     main()
