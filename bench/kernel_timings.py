@@ -20,7 +20,10 @@
    (stories260K widened exactly, app/engine/widen.py; --stories names its directory).
 Timings are triton.testing.do_bench medians (ms) of a CUDA graph holding one call; host launch
 cost is timed apart. Pages are shuffled over the cache; timed pages hold random bytes of valid
-encodings (never zeros). --tune adds decode variants at 8k/32k x batch 1/8/32. Each section's
+encodings (never zeros). --tune adds decode variants at 8k/32k x batch 1/8/32; --lean leaves out the
+comparisons of builds and older paths (each fp8 build, twice the splits, the generic kernel, fp4 loads into
+registers: about half a decode row's time), keeping the rules' kernels, the Triton fp4/fp8 kernels and the
+fp8-fp4 Gluon build. Each section's
 results are written to --json as it ends, so a run cut short keeps what it measured.
 """
 
