@@ -71,7 +71,8 @@ FP8_GLUON = True
 # fp8 keys with fp4 values (kv_cache_dtype fp8-fp4) in the same kernel (its V_FP4 build: the fp4 kernel's value
 # operand); off by the rule (the generic kernel runs them) until its GPU tests have passed: timed on an H100 it ran
 # at 1.00-2.28x SDPA bf16 where the generic kernel gave 0.81-1.29x (8B and 70B-TP8 shapes, 8k-32k, batch 1-128),
-# but its tests have not yet completed on a GPU. DecodeOptions(kernel="gluon") runs it.
+# but its tests have not yet completed on a GPU (that run's kernel also merged its splits in-kernel, an attempt
+# since dropped that moved times by 0.95-1.03x: docs/history.md). DecodeOptions(kernel="gluon") runs it.
 FP8_FP4_GLUON = False
 SHARED_SM_SLOWDOWN = {1: 1.5, 2: 1.12, 3: 1.03}  # programs on an SM (fewer than its slots) -> per-token cost
 
