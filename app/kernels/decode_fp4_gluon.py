@@ -1295,12 +1295,18 @@ def unsupported(query, k_pages, v_pages, formats, block_size: int, num_stages: i
     if any(t.data_ptr() % 4 for t in (k_pages.codes, v_pages.codes, k_pages.out_vals, k_pages.out_idx,
                                       k_pages.scales, v_pages.scales, k_pages.scale_exp, v_pages.scale_exp)):
         return "page arrays not 4-byte aligned (codes, scales, exponents and outlier slots are read as 32-bit words)"
+    return runtime_unsupported(query.device, (8, 0), "mma.m16n8k16 needs sm_80+")
+
+
+def runtime_unsupported(device: torch.device, capability: tuple[int, int], why_older: str) -> str | None:
+    """Why a Gluon kernel cannot run on `device` (None: it can): no Gluon in this Triton, not CUDA (or Triton
+    interpreting), or a GPU older than `capability` (`why_older`). Both Gluon kernels' `unsupported` end here."""
     if not AVAILABLE:
         return "this Triton has no Gluon"
-    if query.device.type != "cuda" or paged.interpreting():
+    if device.type != "cuda" or paged.interpreting():
         return "Gluon kernels run on CUDA, not on CPU or under TRITON_INTERPRET"
-    if torch.cuda.get_device_capability(query.device) < (8, 0):
-        return "mma.m16n8k16 needs sm_80+"
+    if torch.cuda.get_device_capability(device) < capability:
+        return why_older
     return None
 
 

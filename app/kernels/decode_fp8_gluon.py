@@ -368,13 +368,7 @@ def unsupported(query, k_pages, v_pages, block_size: int, v_format=None) -> str 
             return "E4M3 arrays not 16-byte aligned (read by 16-byte loads)"
         if k_scale.data_ptr() % 4 or v_scale.data_ptr() % 4:
             return "scales not 4-byte aligned"
-    if not AVAILABLE:
-        return "this Triton has no Gluon"
-    if query.device.type != "cuda" or paged.interpreting():
-        return "Gluon kernels run on CUDA, not on CPU or under TRITON_INTERPRET"
-    if torch.cuda.get_device_capability(query.device) < (8, 9):
-        return "cvt.f16x2.e4m3x2 needs sm_89+"
-    return None
+    return decode_fp4_gluon.runtime_unsupported(query.device, (8, 9), "cvt.f16x2.e4m3x2 needs sm_89+")
 
 
 def _value_args(v_pages) -> tuple:
