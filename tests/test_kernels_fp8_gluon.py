@@ -189,8 +189,8 @@ def _fp8_fp4_pages(seq_lens, kv_heads, block_size, seed, v_mult=1.0):
 @pytest.mark.parametrize("v_mult", [1.0, 3e4])
 def test_fp4_values_match_reference_on_gpu(kv_heads, group, num_splits, prefetch, v_mult):
     """fp8 keys with fp4 values (kv_cache_dtype fp8-fp4) through the kernel's V_FP4 build (decode_fp4_gluon's value
-    operand and fp16 map) against float32 attention over the same pages and the generic kernel (the rule's while
-    FP8_FP4_GLUON is off); values near 1 and far from it."""
+    operand and fp16 map) against float32 attention over the same pages and the generic kernel (the rule's outside
+    the kernel's scope or while FP8_FP4_GLUON is off); values near 1 and far from it."""
     table, kp, vp, formats = _fp8_fp4_pages(SEQ_LENS, kv_heads, 16, seed=kv_heads + group, v_mult=v_mult)
     query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
     assert decode_fp8_gluon.unsupported(query, kp, vp, 16, formats[1]) is None
@@ -209,7 +209,7 @@ def test_fp4_values_match_reference_on_gpu(kv_heads, group, num_splits, prefetch
 @needs_gluon
 def test_the_rule_takes_the_fp4_value_build_with_engine_inputs_on_gpu():
     """fp8-fp4 pages with the engine's inputs (int64 tables and lengths, no options) run the Gluon kernel: the rule's
-    output is the forced kernel's, bit for bit. For when decode_attention.FP8_FP4_GLUON is on."""
+    output is the forced kernel's, bit for bit."""
     if not da.FP8_FP4_GLUON:
         pytest.skip("FP8_FP4_GLUON is off: the rule runs the generic kernel on these pages")
     table, kp, vp, formats = _fp8_fp4_pages(SEQ_LENS, 2, 16, seed=4)

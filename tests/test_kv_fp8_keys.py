@@ -175,9 +175,8 @@ def test_decode_kernel_matches_reference_on_mixed_pages(num_kv_heads, group, hea
 
 
 def test_decode_on_mixed_pages_takes_the_generic_kernel_by_the_rule():
-    """fp8-key/fp4-value pages take the generic kernel by the rule (the Gluon fp8 kernel's fp4-value build runs only
-    when asked for while FP8_FP4_GLUON is off, and never outside its scope: head_dim 64 here, and on the CPU); asking
-    for it where it cannot run says why."""
+    """fp8-key/fp4-value pages outside the Gluon fp8 kernel's scope (head_dim 64 here, and on the CPU) take the
+    generic kernel by the rule; asking for the Gluon kernel where it cannot run says why."""
     table, num_blocks = block_tables([20], 16)
     k_pages, v_pages, formats = _mixed_pages(num_blocks, 16, 1, 64)
     query = torch.randn(1, 4, 64).bfloat16()

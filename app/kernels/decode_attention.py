@@ -69,11 +69,10 @@ FP8_BLOCK_N, FP8_STAGES, FP8_PROGRAMS_PER_SM = 64, 2, 2
 # (bench/RESULTS.md, "Decode attention"). False keeps the Triton kernel (for comparisons).
 FP8_GLUON = True
 # fp8 keys with fp4 values (kv_cache_dtype fp8-fp4) in the same kernel (its V_FP4 build: the fp4 kernel's value
-# operand); off by the rule (the generic kernel runs them) until its GPU tests have passed: timed on an H100 it ran
-# at 1.00-2.28x SDPA bf16 where the generic kernel gave 0.81-1.29x (8B and 70B-TP8 shapes, 8k-32k, batch 1-128),
-# but its tests have not yet completed on a GPU (that run's kernel also merged its splits in-kernel, an attempt
-# since dropped that moved times by 0.95-1.03x: docs/history.md). DecodeOptions(kernel="gluon") runs it.
-FP8_FP4_GLUON = False
+# operand) where it can, else the generic kernel: on an H100 it ran at 1.00-2.28x SDPA bf16 where the generic
+# kernel gave 0.81-1.29x (8B and 70B-TP8 shapes, 8k-32k, batch 1-128; bench/RESULTS.md, "Decode attention").
+# False keeps the generic kernel (for comparisons).
+FP8_FP4_GLUON = True
 SHARED_SM_SLOWDOWN = {1: 1.5, 2: 1.12, 3: 1.03}  # programs on an SM (fewer than its slots) -> per-token cost
 
 
@@ -447,7 +446,7 @@ class DecodeOptions:
 
     kernel: None (the rule: the Gluon kernel for fp4 K and V pages in decode_fp4_gluon's scope,
     _decode_fp4_kernel for other fp4 pages with head_dim >= 128, decode_fp8_gluon's kernel for fp8 K and V
-    pages in its scope (while FP8_GLUON) and for fp8 keys with fp4 values (while FP8_FP4_GLUON, off),
+    pages in its scope (while FP8_GLUON) and for fp8 keys with fp4 values (while FP8_FP4_GLUON),
     _decode_fp8_kernel for other fp8 K and V pages, _decode_kernel for everything else), "gluon" (the pages'
     Gluon kernel, fp4's or fp8's (fp8 keys with fp8 or fp4 values), required: ValueError naming why it
     cannot run), "fp4" (_decode_fp4_kernel), "fp8" (_decode_fp8_kernel) or "generic" (_decode_kernel, any

@@ -26,7 +26,7 @@ with fp8's operands (its docstring explains the orientation, the warps and the s
   it computes (prefetch_for picks the build per launch). The partial tile, if any, is attended first.
 - fp8 keys with fp4 values (V_FP4, kv_cache_dtype fp8-fp4): the values go through decode_fp4_gluon's value
   operand and fp16 map (its V_LOAD, group scales and the per-vector exponent folded into the softmax max);
-  its GPU tests have not yet completed, so decode_attention takes it only when asked for (FP8_FP4_GLUON).
+  decode_attention takes it by the rule while FP8_FP4_GLUON (on).
 
 Scope: head_dim 128, at most 8 query heads per KV head, pages of a multiple of 16 tokens, E4M3 arrays
 16-byte aligned (the 16-byte loads), fp4 value codes 8-byte aligned, scales 4-byte aligned, fp4 values
