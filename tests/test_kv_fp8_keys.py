@@ -35,6 +35,10 @@ def _spec(head_dim: int, num_layers: int = 2, num_kv_heads: int = 2, dtype=torch
                        compute_dtype=dtype)
 
 
+# the Triton kernels on CPU tensors, through Triton's interpreter (conftest sets it unless TRITON_INTERPRET=0 is set)
+interpreted = pytest.mark.skipif(not paged.interpreting(), reason="CPU tensors need TRITON_INTERPRET=1")
+
+
 # -- bytes -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("head_dim", [8, 64, 128])
 def test_bytes_per_token_are_fp8_keys_plus_fp4_values(head_dim):
@@ -129,6 +133,7 @@ def _mixed_pages(num_blocks, block_size, num_kv_heads, head_dim, seed=0):
     return k_pages, v_pages, formats
 
 
+@interpreted
 @pytest.mark.parametrize("head_dim,block_size", [(32, 16), (64, 1)])
 def test_store_kernel_writes_the_reference_bits_on_mixed_pages(head_dim, block_size):
     """store_kv quantizes K as fp8 and V as fp4 in one launch: the bytes store_kv_ref writes, padding
@@ -154,6 +159,7 @@ DECODE_CASES = [
 ]
 
 
+@interpreted
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,seq_lens", DECODE_CASES)
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_kernel_matches_reference_on_mixed_pages(num_kv_heads, group, head_dim, block_size, seq_lens,
@@ -174,6 +180,7 @@ def test_decode_kernel_matches_reference_on_mixed_pages(num_kv_heads, group, hea
     assert rel_err(out, ref) < 1e-2
 
 
+@interpreted
 def test_decode_on_mixed_pages_takes_the_generic_kernel_by_the_rule():
     """fp8-key/fp4-value pages outside the Gluon fp8 kernel's scope (head_dim 64 here, and on the CPU) take the
     generic kernel by the rule; asking for the Gluon kernel where it cannot run says why."""
