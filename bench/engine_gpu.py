@@ -18,9 +18,11 @@ Sections (--sections, run in this order):
    whatever host time is not overlapped). Steady decode tok/s = tokens of the decode-only steps /
    their time; prefill tok/s = prompt tokens / time of the other steps (prefill chunks, alone or
    mixed with early decodes); decode_tok_s_whole_run = (N-1)*requests / (wall - prefill steps);
-   roofline decode tok/s = requests / t_step with t_step = (weight bytes
-   without the input embedding + requests*(prompt+N/2)*kv_bytes_per_token) / copy bandwidth (a 2 GiB
-   device-to-device copy, read + written, measured at start; null on CPU); ratios fp8/fp4 vs bf16.
+   roofline decode tok/s = the same steps' tokens / their time at the copy rate, each step reading
+   the weights (without the input embedding) and its sequences' K/V once (context_tokens *
+   kv_bytes_per_token) at the copy bandwidth (a 2 GiB device-to-device copy, read + written, measured
+   at start; null on CPU); decode_batch_mean: sequences per decode-only step (fewer than the requests
+   where prefill ends after the first ones finish, or where the KV pool holds fewer); ratios vs bf16.
 2. hf: transformers' model of the family (LlamaForCausalLM, Qwen3ForCausalLM, ...).generate (random
    weights, bf16; float32 on CPU), greedy,
    max_new_tokens=1 then N (min_new_tokens=N), next to our bf16 row of the same shape.
@@ -196,25 +198,30 @@ def throughput_one(args, R: dict, bw: float | None, kv: str, shapes: list[tuple[
             tN, outs = timed_generate(llm, prompts, N, args.device)
             steps, eng.step_timings = eng.step_timings, None
             n_out = sum(len(o.token_ids) for o in outs)
-            kv_step = n * (L + N / 2) * kvpt
-            roof = n * bw / (wb + kv_step) if bw else None
             # steady decode: the steps where every request decodes (each ends with its token read);
             # prefill: the prompt tokens over the other steps (chunks, and chunks mixed with decodes)
             secs = step_seconds(steps)
             dec = [st for st in steps if st["decode_only"]]
             dec_s = sum(t for st, t in zip(steps, secs) if st["decode_only"])
-            decode = sum(st["num_seqs"] for st in dec) / dec_s if dec_s else None
+            dec_tokens = sum(st["num_seqs"] for st in dec)
+            decode = dec_tokens / dec_s if dec_s else None
+            # the roofline of those same steps: each reads the weights and its sequences' K/V once
+            kv_read = sum(st["context_tokens"] for st in dec) * kvpt
+            roof = dec_tokens * bw / (len(dec) * wb + kv_read) if bw and dec else None
             pre_s = sum(t for st, t in zip(steps, secs) if not st["decode_only"])
             emit(R, "throughput", {
                 "kv_cache_dtype": kv, "shape": f"{n}x{L}", "requests": n, "prompt_len": L, "output_len": N,
                 "prefill_tok_s": rnd(n * L / pre_s) if pre_s else None, "decode_tok_s": rnd(decode),
                 "roofline_decode_tok_s": rnd(roof),
                 "frac_of_roofline": ratio(decode, roof),
+                "decode_batch_mean": rnd(dec_tokens / len(dec) if dec else None),
+                "decode_context_mean": rnd(sum(st["context_tokens"] for st in dec) / dec_tokens if dec else None),
                 "decode_tok_s_whole_run": rnd((n_out - n) / max(tN - pre_s, 1e-9)),
                 "decode_steps": len(dec), "graph_steps": sum(st["graph"] for st in dec),
                 "decode_step_ms": rnd(1e3 * dec_s / len(dec) if dec else None, 3),
                 "t_prefill_steps_s": rnd(pre_s, 3), "t_full_s": rnd(tN, 3),
-                "weight_bytes": wb, "kv_bytes_per_token": kvpt, "kv_bytes_per_step": int(kv_step),
+                "weight_bytes": wb, "kv_bytes_per_token": kvpt,
+                "kv_bytes_per_step": int(kv_read / len(dec)) if dec else None,
                 "enforce_eager": args.enforce_eager, "async_scheduling": eng.async_scheduling})
     finally:
         eng.shutdown()
@@ -410,7 +417,8 @@ def table(title: str, rows: list[dict], cols: list[str]) -> None:
 def summary(R: dict) -> None:
     thr = R.get("throughput", [])
     table("throughput (decode tok/s vs roofline)", thr, ["shape", "kv_cache_dtype", "async_scheduling", "prefill_tok_s",
-          "decode_tok_s", "roofline_decode_tok_s", "frac_of_roofline", "decode_step_ms", "decode_vs_bf16",
+          "decode_tok_s", "roofline_decode_tok_s", "frac_of_roofline", "decode_batch_mean", "decode_context_mean",
+          "decode_step_ms", "decode_vs_bf16",
           "prefill_vs_bf16", "t_full_s"])
     table("async scheduling against the first mode", R.get("throughput_async", []),
           ["shape", "kv_cache_dtype", "ratio", "decode", "whole_run"])

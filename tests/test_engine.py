@@ -381,6 +381,25 @@ def test_engine_counts_its_time_to_first_token(stories_paths):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])  # True: the GPU default
+def test_step_records_count_the_context_each_step_reads(stories_paths, async_scheduling):
+    """With step_timings set, each step's record counts the K/V tokens its attention reads (bench/engine_gpu.py's
+    roofline): a prompt chunk reads the prompt up to its end, a decode step the sequence so far and its token."""
+    model, tokenizer = stories_paths
+    llm = LLM(model=model, tokenizer=tokenizer, enable_prefix_caching=False, max_num_batched_tokens=64,
+              async_scheduling=async_scheduling)
+    llm.engine.step_timings = []
+    outs = llm.generate([STORY, STORY[:40]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    steps, llm.engine.step_timings = llm.engine.step_timings, None
+    p_long, p_short = (len(o.prompt_token_ids) for o in outs)
+    assert p_long > 64 > p_short + 16  # the long prompt takes two chunks; the short one joins the second step
+    ctx = [st["context_tokens"] for st in steps]
+    # step 1: 64 tokens of the long prompt; step 2: the rest of it and the short prompt, both sample a token;
+    # then 4 decode steps of both sequences
+    assert ctx == [64, p_long + p_short] + [p_long + p_short + 2 * k for k in range(1, 5)], (ctx, p_long, p_short)
+    assert [st["decode_only"] for st in steps] == [False, False] + [True] * 4
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])  # True: the GPU default
 def test_the_start_up_warm_up_leaves_nothing_behind(stories_paths, async_scheduling):
     """engine.warmup (on by default with CUDA, where it compiles the prefill paths' kernels before the
     engine reports ready) runs its own requests through a prefill, a prefix-cache hit and a mixed

@@ -48,6 +48,7 @@ class _StepInFlight:
     t_schedule: float  # when its scheduling started (perf_counter)
     t_launch: float  # when its launch started
     deferred: bool = False  # launched with defer_sample: _sample_deferred launches its sampling
+    context_tokens: int = 0  # tokens whose K/V the step's attention reads (with step_timings only)
 
 
 @dataclass(slots=True, eq=False)
@@ -152,7 +153,8 @@ class LLMEngine:
         self.time_to_first_token_s_total = 0.0
         # Per-step records for benchmarks: set to a list and every step that runs the model appends
         # {schedule_s, prepare_s, forward_s, sample_s, output_s, total_s, num_seqs, num_tokens,
-        # decode_only, graph, start, end}; with sync_step_timings the device is synchronized between
+        # context_tokens (K/V tokens its attention reads, its own included), decode_only, graph, start,
+        # end}; with sync_step_timings the device is synchronized between
         # phases so that the split is exact (slower), else only total_s, start and end are. With async
         # scheduling a step's [start, end] overlaps the next step's: the time a step adds is the gap
         # between its end and the previous step's.
@@ -397,9 +399,11 @@ class LLMEngine:
             if any(seq.request_id in self.structured for seq in sampling):
                 defer = self.async_scheduling and self._in_flight is not None
                 grammar = None if defer else self._grammar_mask(sampling)
+        # each sequence's context as its attention reads it: the tokens scheduled before this step and its own
+        ctx = sum(seq.num_scheduled_tokens + n for seq, n in sched.scheduled) if self.step_timings is not None else 0
         t1 = time.perf_counter()
         step = self.executor.launch(sched, grammar, defer)
-        return _StepInFlight(sched, step, self.scheduler.on_launched(sched, step.sampling), t0, t1, defer)
+        return _StepInFlight(sched, step, self.scheduler.on_launched(sched, step.sampling), t0, t1, defer, ctx)
 
     # -- structured outputs ----------------------------------------------------------------------
     def _poll_grammars(self) -> None:
@@ -513,7 +517,7 @@ class LLMEngine:
                 "start": t0, "schedule_s": t1 - t0, "prepare_s": rt.get("prepare_s", 0.0),
                 "forward_s": rt.get("forward_s", 0.0), "sample_s": rt.get("sample_s", 0.0),
                 "output_s": t3 - t2, "total_s": t3 - t0, "end": t3, "num_seqs": len(sched.scheduled),
-                "num_tokens": sum(n for _, n in sched.scheduled),
+                "num_tokens": sum(n for _, n in sched.scheduled), "context_tokens": launched.context_tokens,
                 "decode_only": all(n == 1 for _, n in sched.scheduled), "graph": rt.get("graph", False)})
         return outputs
 
