@@ -1,6 +1,7 @@
 """Where a small decode launch's time goes: the fp8 and fp4 Gluon kernels at the launches that stay far from the
 copy rate (70B-TP8 shapes, 1 KV head; 8B at batch 1), per split count, with and without the split merge, next to
-the floor of a CUDA graph of one and two trivial kernels and SDPA bf16.
+the floor of a CUDA graph of one and two trivial kernels and SDPA bf16; and the fp8 kernel's 8-warp build
+(DecodeOptions.num_warps=8), twice the warps per SM at the same tokens per program.
 
     python3 experiments/small_launches.py [--cases 70B-TP8:8192:8,70B-TP8:8192:1,...] [--json $OUT/small.json]
 
@@ -92,6 +93,9 @@ def main() -> None:
         kp, vp = random_fp4_pages(nb, hk, FORMATS[0]), random_fp4_pages(nb, hk, FORMATS[1])
         calls = {
             "fp8": lambda s: decode_attention(q, k8, v8, table, sl, scale, ctx, options=DecodeOptions(num_splits=s)),
+            # the 8-warp build: twice the warps per program on the same tokens (128-token tiles)
+            "fp8 8 warps": lambda s: decode_attention(q, k8, v8, table, sl, scale, ctx,
+                                                      options=DecodeOptions(num_splits=s, num_warps=8)),
             "fp4": lambda s: decode_attention(q, kp, vp, table, sl, scale, ctx, FORMATS,
                                               options=DecodeOptions(num_splits=s)),
         }
