@@ -9,7 +9,8 @@ Each time is bench/kernel_timings.bench's (the median of a CUDA graph's replays,
 only" replaces decode_attention's split merge with nothing (its output is then not the attention: a timing, not
 a result), so full - kernel only is what the merge kernel adds to the graph; the floor rows are what any graph of
 one or two kernels costs in this timing. Splits: the rule's count (decode_attention's, recorded from its
-buffers), then forced counts of powers of two while a split keeps at least one 64-token tile.
+buffers), then forced counts of powers of two while a split keeps at least 64 tokens (the count launched is shown:
+splits are rounded up to whole tiles of the build).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def floors() -> dict:
 
 
 def time_splits(call, ctx: int) -> list[dict]:
-    """[{splits, full_us, kernel_only_us}] for the rule's count (splits "rule:N") and forced powers of two."""
+    """[{splits, launched, full_us, kernel_only_us, merge_us}] for the rule's count (splits "rule") and forced powers
+    of two; launched: the count the launch ran (a split is rounded up to whole tiles of the build)."""
     seen: list[int] = []
     split_buffers = da._split_buffers
 
@@ -63,7 +65,7 @@ def time_splits(call, ctx: int) -> list[dict]:
             alone = 1e3 * bench(lambda: call(s))
         finally:
             da._merge_splits = merge
-        rows.append({"splits": f"rule:{seen[-1]}" if s is None else s, "full_us": round(full, 2),
+        rows.append({"splits": "rule" if s is None else s, "launched": seen[-1], "full_us": round(full, 2),
                      "kernel_only_us": round(alone, 2), "merge_us": round(full - alone, 2)})
     return rows
 
@@ -110,9 +112,9 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
-    print("\nmodel ctx batch format | splits | full us | kernel only us | merge us | SDPA us")
+    print("\nmodel ctx batch format | splits (launched) | full us | kernel only us | merge us | SDPA us")
     for r in results["rows"]:
-        print(f"{r['model']} {r['ctx']} {r['batch']} {r['format']} | {r['splits']} | {r['full_us']} | "
+        print(f"{r['model']} {r['ctx']} {r['batch']} {r['format']} | {r['splits']} ({r['launched']}) | {r['full_us']} | "
               f"{r['kernel_only_us']} | {r['merge_us']} | {r['sdpa_us']}")
 
 
