@@ -206,8 +206,8 @@ def throughput_one(args, R: dict, bw: float | None, kv: str, shapes: list[tuple[
             dec_tokens = sum(st["num_seqs"] for st in dec)
             decode = dec_tokens / dec_s if dec_s else None
             # the roofline of those same steps: each reads the weights and its sequences' K/V once
-            kv_read = sum(st["context_tokens"] for st in dec) * kvpt
-            roof = dec_tokens * bw / (len(dec) * wb + kv_read) if bw and dec else None
+            dec_ctx = sum(st["context_tokens"] for st in dec)
+            roof = dec_tokens * bw / (len(dec) * wb + dec_ctx * kvpt) if bw and dec else None
             pre_s = sum(t for st, t in zip(steps, secs) if not st["decode_only"])
             emit(R, "throughput", {
                 "kv_cache_dtype": kv, "shape": f"{n}x{L}", "requests": n, "prompt_len": L, "output_len": N,
@@ -215,13 +215,13 @@ def throughput_one(args, R: dict, bw: float | None, kv: str, shapes: list[tuple[
                 "roofline_decode_tok_s": rnd(roof),
                 "frac_of_roofline": ratio(decode, roof),
                 "decode_batch_mean": rnd(dec_tokens / len(dec) if dec else None),
-                "decode_context_mean": rnd(sum(st["context_tokens"] for st in dec) / dec_tokens if dec else None),
+                "decode_context_mean": rnd(dec_ctx / dec_tokens if dec else None),
                 "decode_tok_s_whole_run": rnd((n_out - n) / max(tN - pre_s, 1e-9)),
                 "decode_steps": len(dec), "graph_steps": sum(st["graph"] for st in dec),
                 "decode_step_ms": rnd(1e3 * dec_s / len(dec) if dec else None, 3),
                 "t_prefill_steps_s": rnd(pre_s, 3), "t_full_s": rnd(tN, 3),
                 "weight_bytes": wb, "kv_bytes_per_token": kvpt,
-                "kv_bytes_per_step": int(kv_read / len(dec)) if dec else None,
+                "kv_bytes_per_step": int(dec_ctx * kvpt / len(dec)) if dec else None,
                 "enforce_eager": args.enforce_eager, "async_scheduling": eng.async_scheduling})
     finally:
         eng.shutdown()
