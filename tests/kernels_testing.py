@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from app.config import FP4Config
@@ -85,6 +86,10 @@ def cuda_fp4_pages(seq_lens, kv_heads, block_size, formats, seed, v_mult=1.0):
     v = torch.randn(num_blocks, block_size, kv_heads, 128, generator=gen) * v_mult
     kp, vp = (paged.quantize_pages(x, "fp4", f) for x, f in zip((k, v), formats))
     return table.cuda(), pages_to(kp, "cuda"), pages_to(vp, "cuda")
+
+
+# Triton kernels on CPU tensors run through Triton's interpreter (conftest sets TRITON_INTERPRET=1 unless it is set)
+interpreted = pytest.mark.skipif(not paged.interpreting(), reason="CPU tensors need TRITON_INTERPRET=1")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

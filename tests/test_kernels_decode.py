@@ -12,7 +12,7 @@ import torch
 from app.kernels.attention_ref import decode_attention_ref
 from app.kernels.decode_attention import FP4_SPLIT_TOKENS, DecodeOptions, decode_attention, fp4_splits, split_cost
 from app.kernels import paged
-from kernels_testing import block_tables, pages_to, random_pages, rel_err
+from kernels_testing import block_tables, interpreted, pages_to, random_pages, rel_err
 
 ODD_LENGTHS = [1, 15, 16, 17, 1025, 1027]
 SHORT = [1, 15, 16, 17, 100]  # the interpreter is slow: long sequences only where they add something
@@ -52,12 +52,14 @@ def _run(name, seq_lens, num_kv_heads, group, head_dim, block_size, seed=0, bloc
 
 
 @pytest.mark.parametrize("name,shape,seq_lens", CASES)
+@interpreted
 def test_decode_matches_reference(name, shape, seq_lens):
     out, ref = _run(name, seq_lens, *shape, num_splits=3)
     assert rel_err(out, ref) < 1e-2
 
 
 @pytest.mark.parametrize("name,shape,seq_lens", [c for c in CASES if c[0].startswith("fp4") and c[1][2] < 128])
+@interpreted
 def test_fp4_kernel_at_head_dim_64_matches_reference(name, shape, seq_lens):
     """At head_dim 64 the launcher picks the generic kernel (faster there); forced, the fp4 kernel
     is still right (block size 1, GQA 1 and 8, value outliers)."""
@@ -65,6 +67,7 @@ def test_fp4_kernel_at_head_dim_64_matches_reference(name, shape, seq_lens):
     assert rel_err(out, ref) < 1e-2
 
 
+@interpreted
 def test_one_split_equals_many():
     """Splits merged by log-sum-exp give the one-split result (up to bf16 rounding of the output);
     seven splits of 1027 tokens leave some splits empty for the shorter sequence."""
@@ -74,6 +77,7 @@ def test_one_split_equals_many():
     assert rel_err(many, one) < 4e-3 and rel_err(one, ref) < 1e-2
 
 
+@interpreted
 def test_block_n_64_and_precise_pv():
     out, ref = _run("fp4", [17, 64, 65, 129], 1, 4, 64, 16, block_n=64, num_splits=2)
     precise, _ = _run("fp4", [17, 64, 65, 129], 1, 4, 64, 16, block_n=64, num_splits=2, precise_pv=True)
@@ -112,6 +116,7 @@ def test_fp4_split_cost_counts_the_busiest_sm():
     assert split_cost(32, 8192, 64, 20, 4, 132) == 2 * 4 * (448 + 160)
 
 
+@interpreted
 def test_fp8_kernel_agrees_with_the_generic_kernel():
     """fp8 K and V pages run _decode_fp8_kernel (16-bit words split into even and odd halves, fp16
     operands, value scales folded into the scores); the generic kernel reads the same pages as bf16
@@ -129,7 +134,7 @@ _CUDA = [pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available() or paged.interpreting(), reason="needs CUDA (and TRITON_INTERPRET unset)"))]
 
 
-_CPU = [pytest.param("cpu", marks=pytest.mark.skipif(not paged.interpreting(), reason="CPU tensors need TRITON_INTERPRET=1"))]
+_CPU = [pytest.param("cpu", marks=interpreted)]
 
 
 @pytest.mark.parametrize("device", _CPU + _CUDA)
@@ -231,6 +236,7 @@ def test_fp4_splits_capped_by_the_longest_split_that_fills_half_the_sms():
     assert fp4_splits(4, 2048, 64, 4, 132) == 2048 // 128  # none is enough: the shortest
 
 
+@interpreted
 def test_fp4_kernel_agrees_with_the_generic_kernel():
     """The engine's fp4 cache runs _decode_fp4_kernel; the generic kernel reads the same pages
     another way (nibbles interleaved, PV untransposed, outliers over padded rows)."""
@@ -241,6 +247,7 @@ def test_fp4_kernel_agrees_with_the_generic_kernel():
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp4"])
+@interpreted
 def test_a_sequence_shorter_than_the_plan_spreads_over_its_splits(name, monkeypatch):
     """A decode planned for a longer max_seq_len than its sequences (a decode graph plans for
     max_model_len) splits each sequence's own length: 4 splits planned for 4096 tokens, 128-token tiles,

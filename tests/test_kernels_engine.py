@@ -13,7 +13,7 @@ import torch
 from app.engine.kv_cache import KVCacheSpec, create_kv_cache
 from app.kernels.attention_ref import dequantize_pages
 from app.kernels.fp4 import FP4Format
-from kernels_testing import DEFAULT_FP4, paged_step, rel_err
+from kernels_testing import DEFAULT_FP4, interpreted, paged_step, rel_err
 
 ROTATED = tuple(FP4Format(group_size=fmt.group_size, outliers=fmt.outliers, rotate=True,
                           scale_targets=fmt.scale_targets) for fmt in DEFAULT_FP4)
@@ -24,6 +24,7 @@ NUM_HEADS = 8
 @pytest.mark.parametrize("kv,formats", [("bf16", None), ("fp8", None), ("fp4", DEFAULT_FP4), ("fp4", ROTATED),
                                         ("fp8-fp4", (None, DEFAULT_FP4[1]))],
                          ids=["bf16", "fp8", "fp4", "fp4-rotated", "fp8-fp4"])
+@interpreted
 def test_kernel_path_matches_torch_path(kv, formats):
     caches = [create_kv_cache(kv, SPEC, 16, "cpu", formats) for _ in range(2)]
     assert not caches[0].kernels_enabled()  # CPU: the torch path unless forced
@@ -73,6 +74,7 @@ def test_kernel_problems_name_the_reason():
 @pytest.mark.parametrize("kv,formats", [("bf16", None), ("fp8", None), ("fp4", DEFAULT_FP4), ("fp4", ROTATED),
                                         ("fp8-fp4", (None, DEFAULT_FP4[1]))],
                          ids=["bf16", "fp8", "fp4", "fp4-rotated", "fp8-fp4"])
+@interpreted
 def test_warm_kernels_launch_the_builds_and_write_nothing(kv, formats, monkeypatch):
     """KVCache.warm_kernels (start-up on CUDA: every store and decode build compiled before serving)
     launches the store and decode kernels for real, here interpreted, and leaves every page as it was;

@@ -25,7 +25,7 @@ from app.kernels import decode_fp8_gluon, fp8, paged
 from app.kernels.attention_ref import decode_attention_ref
 from app.kernels.decode_attention import DecodeOptions, decode_attention
 from app.kernels.fp4 import FP4Format
-from kernels_testing import DEFAULT_FP4, block_tables, keys_like_llama, pages_to, worst_rel_err
+from kernels_testing import DEFAULT_FP4, block_tables, interpreted, keys_like_llama, pages_to, worst_rel_err
 
 needs_gluon = pytest.mark.skipif(not decode_fp8_gluon.AVAILABLE, reason="this Triton has no Gluon")
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or paged.interpreting()
@@ -84,14 +84,12 @@ def test_the_build_follows_the_launch_size():
             DecodeOptions(prefetch=bad)
 
 
+@interpreted
 def test_the_launcher_runs_the_build_the_launch_size_asks_for(monkeypatch):
     """decode_attention's fp8 Gluon path plans the splits with the 1-ahead build's programs per SM, then runs
     2 tiles ahead where the launch's programs fit 2 per SM, 1 beyond, unless DecodeOptions names one. The
-    kernel is not launched (recorded instead: it needs CUDA); the CPU counts 4 SMs (decode_attention._num_sms)."""
-    if not paged.interpreting():
-        pytest.skip("the split merge runs interpreted on CPU tensors")
-    import app.kernels.decode_attention as da
-
+    kernel is not launched (recorded instead: it needs CUDA); the CPU counts 4 SMs (decode_attention._num_sms);
+    the split merge runs interpreted."""
     ran = []
     monkeypatch.setattr(decode_fp8_gluon, "programs_per_sm", lambda *a, **k: 3)
     monkeypatch.setattr(decode_fp8_gluon, "launch", lambda *a: ran.append(a[-1]["PREFETCH"]))
@@ -103,12 +101,12 @@ def test_the_launcher_runs_the_build_the_launch_size_asks_for(monkeypatch):
         assert ran[-1] == want, (seqs, prefetch, ran)  # 1 split: 2 x seqs programs against 2 x 4 SMs
 
 
+@interpreted
 def test_programs_of_8_warps_take_tiles_of_128_tokens(monkeypatch):
     """DecodeOptions.num_warps=8 runs the fp8 Gluon kernel's 8-warp build: its layouts span 8 warps, each
     attending 16 tokens of a 128-token tile, so the splits are whole 128-token tiles; 4 is the rule's build and
-    any other count is refused. The kernel is not launched (recorded instead: it needs CUDA)."""
-    if not paged.interpreting():
-        pytest.skip("the split merge runs interpreted on CPU tensors")
+    any other count is refused. The kernel is not launched (recorded instead: it needs CUDA); the split merge runs
+    interpreted."""
     launched = []
     monkeypatch.setattr(decode_fp8_gluon, "programs_per_sm", lambda *a, **k: 1)
     monkeypatch.setattr(decode_fp8_gluon, "launch", lambda *a: launched.append((a[-3], a[-2], a[-1])))
@@ -127,11 +125,10 @@ def test_programs_of_8_warps_take_tiles_of_128_tokens(monkeypatch):
             decode_fp8_gluon.constexprs(query, kp, vp, warps=bad)
 
 
+@interpreted
 def test_where_it_cannot_run_the_triton_fp8_kernel_does():
     """On the CPU (interpreted) the rule runs the Triton fp8 kernel: the default equals kernel="fp8" bit for
     bit, and kernel="gluon" is a ValueError naming why the Gluon kernel cannot run."""
-    if not paged.interpreting():
-        pytest.skip("CPU tensors need TRITON_INTERPRET=1")
     seq_lens = [1, 40]
     table, kp, vp = _fp8_pages(seq_lens, 2, 16, seed=1)
     query = torch.randn(len(seq_lens), 8, 128).bfloat16()

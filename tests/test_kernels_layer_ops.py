@@ -11,7 +11,7 @@ import torch
 from app.kernels.layer_ops import rms_norm, rope_qk, silu_and_mul
 from app.kernels.layer_ops_ref import rms_norm_ref, rope_qk_ref, silu_and_mul_ref
 from app.kernels.store_kv import store_kv
-from tests.kernels_testing import page_bits, random_pages
+from tests.kernels_testing import interpreted, page_bits, random_pages
 
 CASES = [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -7)]  # (dtype, relative bound per element)
 
@@ -24,6 +24,7 @@ def _close(a, b, rel):
 
 @pytest.mark.parametrize("dtype,rel", CASES)
 @pytest.mark.parametrize("hidden", [64, 96])
+@interpreted
 def test_rms_norm_with_and_without_residual(dtype, rel, hidden):
     torch.manual_seed(0)
     x = torch.randn(7, hidden + 5).to(dtype)[:, :hidden]  # strided rows
@@ -39,6 +40,7 @@ def test_rms_norm_with_and_without_residual(dtype, rel, hidden):
 
 
 @pytest.mark.parametrize("dtype,rel", CASES)
+@interpreted
 def test_rope_on_the_fused_projection(dtype, rel):
     torch.manual_seed(1)
     T, H, K, D = 5, 4, 2, 16
@@ -53,12 +55,14 @@ def test_rope_on_the_fused_projection(dtype, rel):
 
 @pytest.mark.parametrize("dtype,rel", CASES)
 @pytest.mark.parametrize("n", [48, 1500])  # one block and several (1024 each), a ragged end
+@interpreted
 def test_silu_and_mul(dtype, rel, n):
     torch.manual_seed(2)
     x = (3 * torch.randn(6, 2 * n)).to(dtype)
     _close(silu_and_mul(x), silu_and_mul_ref(x), rel)
 
 
+@interpreted
 def test_store_reads_strided_token_rows():
     """K/V as views of a fused [T, (H + 2K) * D] projection store exactly what contiguous copies store."""
     torch.manual_seed(3)

@@ -7,7 +7,7 @@ import torch
 from app.kernels.decode_attention import DecodeOptions, decode_attention
 from app.kernels.attention_ref import prefill_attention_ref
 from app.kernels.prefill_attention import prefill_attention
-from kernels_testing import block_tables, random_pages, rel_err
+from kernels_testing import block_tables, interpreted, random_pages, rel_err
 
 # (cached context, new tokens): first chunks, later chunks, single tokens, 1025 and 1027 in all
 RAGGED = [(0, 17), (15, 1), (16, 15), (0, 1), (1010, 17), (1008, 17)]
@@ -40,11 +40,13 @@ def _run(name, chunks, num_kv_heads, group, head_dim, block_size, seed=0, block_
 
 
 @pytest.mark.parametrize("name,shape,chunks", CASES)
+@interpreted
 def test_prefill_matches_reference_on_a_ragged_batch(name, shape, chunks):
     out, ref, _ = _run(name, chunks, *shape)
     assert rel_err(out, ref) < 1e-2
 
 
+@interpreted
 def test_chunked_equals_one_shot():
     """Rows of a later chunk (context 13, 27 new tokens) equal the same rows of a one-shot prefill."""
     _, _, (query, k_pages, v_pages, table, lens, formats) = _run("fp4", [(0, 40)], 1, 4, 64, 16)
@@ -55,6 +57,7 @@ def test_chunked_equals_one_shot():
     assert rel_err(late, one[13:]) < 1e-6
 
 
+@interpreted
 def test_single_token_rows_equal_decode():
     out, _, (query, k_pages, v_pages, table, lens, formats) = _run("fp4", [(40, 1), (126, 1), (0, 1)], 2, 4, 64, 16)
     dec = decode_attention(query, k_pages, v_pages, table, lens, 64 ** -0.5, int(lens.max()), formats,

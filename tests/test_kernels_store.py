@@ -9,7 +9,7 @@ import torch
 
 from app.kernels.attention_ref import dequantize_pages
 from app.kernels.store_kv import store_kv, store_kv_ref
-from kernels_testing import FORMATS, keys_like_llama, page_bits, poison, random_pages
+from kernels_testing import FORMATS, interpreted, keys_like_llama, page_bits, poison, random_pages
 
 
 def _stored(name, key, value, slots, num_blocks, block_size, kernel: bool):
@@ -34,6 +34,7 @@ def _case(num_tokens, num_kv_heads, head_dim, num_blocks, block_size, dtype, see
 
 @pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 1)])
+@interpreted
 def test_store_writes_the_reference_bits(name, head_dim, block_size):
     num_blocks = 64 // block_size + 3
     key, value, slots = _case(37, 2, head_dim, num_blocks, block_size, torch.float32)
@@ -53,6 +54,7 @@ def _rows(pages, slots):
 
 
 @pytest.mark.parametrize("name", ["fp4", "fp8"])
+@interpreted
 def test_store_from_bf16_matches_the_reference(name):
     """The engine stores bf16 K/V, where equal magnitudes happen: among outlier candidates of equal
     magnitude the kernel and the reference both take the lowest index first, so every vector

@@ -25,7 +25,8 @@ from app.kernels.attention_ref import decode_attention_ref, dequantize_pages
 from app.kernels.decode_attention import DecodeOptions, decode_attention
 from app.kernels.store_kv import store_kv, store_kv_ref
 from bench.kv_quality import prompt_scores
-from kernels_testing import DEFAULT_FP4, block_tables, keys_like_llama, page_bits, poison, random_pages, rel_err
+from kernels_testing import (DEFAULT_FP4, block_tables, interpreted, keys_like_llama, page_bits, poison, random_pages,
+                             rel_err)
 
 V_FMT = DEFAULT_FP4[1]  # the value format fp8-fp4 takes from FP4Config() (groups of 32, no slots, scale search)
 
@@ -33,10 +34,6 @@ V_FMT = DEFAULT_FP4[1]  # the value format fp8-fp4 takes from FP4Config() (group
 def _spec(head_dim: int, num_layers: int = 2, num_kv_heads: int = 2, dtype=torch.bfloat16) -> KVCacheSpec:
     return KVCacheSpec(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16,
                        compute_dtype=dtype)
-
-
-# the Triton kernels on CPU tensors, through Triton's interpreter (conftest sets it unless TRITON_INTERPRET=0 is set)
-interpreted = pytest.mark.skipif(not paged.interpreting(), reason="CPU tensors need TRITON_INTERPRET=1")
 
 
 # -- bytes -------------------------------------------------------------------------------------------
