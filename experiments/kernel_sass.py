@@ -159,8 +159,7 @@ def main() -> None:
     # values: E4M3 and scales (fp8) or fp4 codes, group scales and scale_exp (V_FP4); int32 tables, as the engine's
     fp8_gluon_sig = dict({k: v for k, v in fp8_sig.items() if not k.startswith("v_")}, v0="*u8", v1="*fp32",
                          v2="*fp32")
-    fp8_gluon_args = {"TW": decode_fp8_gluon.TW, "OFF64": False, "V_FP4": False, "WARPS": 4, **decode_fp8_gluon.layouts()}
-    fp8_gluon_8w = dict(fp8_gluon_args, WARPS=8, **decode_fp8_gluon.layouts(8))  # programs of 8 warps, 128-token tiles
+    fp8_gluon_args = {"TW": decode_fp8_gluon.TW, "OFF64": False, "V_FP4": False, **decode_fp8_gluon.layouts()}
     gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, "STAGES": decode_fp4_gluon.STAGES,
                   "F16": True, "PAIR": None, "KG8": False, "QVEC": decode_fp4_gluon.QUERY_VECTOR,
                   **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default
@@ -195,10 +194,6 @@ def main() -> None:
          dict(fp8_gluon_args, PREFETCH=0), 4, 1, None, 64, 1),
         ("Gluon fp8 kernel, 1 tile ahead at 128 registers", decode_fp8_gluon._decode_fp8_gluon_kernel, fp8_gluon_sig,
          dict(fp8_gluon_args, PREFETCH=1), 4, 1, 128, 64, 1),
-        ("Gluon fp8 kernel, 8 warps, 1 tile ahead", decode_fp8_gluon._decode_fp8_gluon_kernel, fp8_gluon_sig,
-         dict(fp8_gluon_8w, PREFETCH=1), 8, 1, None, 128, 1),
-        ("Gluon fp8 kernel, 8 warps, 2 tiles ahead", decode_fp8_gluon._decode_fp8_gluon_kernel, fp8_gluon_sig,
-         dict(fp8_gluon_8w, PREFETCH=2), 8, 1, None, 128, 1),
         ("Gluon fp8 kernel, fp4 values, 1 tile ahead", decode_fp8_gluon._decode_fp8_gluon_kernel,
          dict(fp8_gluon_sig, v1="*u8", v2="*u8"), dict(fp8_gluon_args, PREFETCH=1, V_FP4=True,
                                                         V_LOAD=decode_fp8_gluon.layouts()["V4_LOAD"]), 4, 1, None, 64, 1),

@@ -8,7 +8,7 @@ Triton fp8 kernel) is what runs where it cannot.
 On a CUDA GPU (`TRITON_INTERPRET=0 python -m pytest tests/test_kernels_fp8_gluon.py`) it is checked
 against float32 attention over the same pages and against the Triton fp8 kernel, per sequence and query
 head: odd lengths (partial tiles), GQA 1, 2, 3, 4 and 8, one split and many, each build (0, 1 or 2 tiles
-of loads ahead, 1 ahead capped at 128 registers, programs of 8 warps), values whose scales span 2^-60 .. 2^60, 64-bit offsets, and the engine's inputs
+of loads ahead, 1 ahead capped at 128 registers), values whose scales span 2^-60 .. 2^60, 64-bit offsets, and the engine's inputs
 (int32 tables and lengths, no options), which must take it; the builds agree bit for bit. Bound as in test_kernels_gluon.py: 1e-2.
 """
 
@@ -102,30 +102,6 @@ def test_the_launcher_runs_the_build_the_launch_size_asks_for(monkeypatch):
 
 
 @interpreted
-def test_programs_of_8_warps_take_tiles_of_128_tokens(monkeypatch):
-    """DecodeOptions.num_warps=8 runs the fp8 Gluon kernel's 8-warp build: its layouts span 8 warps, each
-    attending 16 tokens of a 128-token tile, so the splits are whole 128-token tiles; 4 is the rule's build and
-    any other count is refused. The kernel is not launched (recorded instead: it needs CUDA); the split merge runs
-    interpreted."""
-    launched = []
-    monkeypatch.setattr(decode_fp8_gluon, "programs_per_sm", lambda *a, **k: 1)
-    monkeypatch.setattr(decode_fp8_gluon, "launch", lambda *a: launched.append((a[-3], a[-2], a[-1])))
-    table, kp, vp = _fp8_pages([300], 2, 16, seed=0)
-    query = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
-    lens = torch.tensor([300], dtype=torch.int32)
-    for warps, splits in ((8, 2), (4, 2), (8, 3)):
-        da._decode_fp8_gluon(query, kp, vp, table, lens, 0.1, 300, splits, None, None, None, warps)
-        split_size, num_splits, const = launched[-1]
-        assert const["num_warps"] == const["WARPS"] == warps
-        assert const["MMA"].warps_per_cta == [warps, 1, 1] and const["K_LOAD"].shape[0] == warps
-        assert split_size % (16 * warps) == 0 and split_size * num_splits >= 300, (warps, split_size, num_splits)
-    assert [s for s, _, _ in launched] == [256, 192, 128]  # 300 tokens over 2 or 3 splits of whole tiles
-    for bad in (2, 6, 16):
-        with pytest.raises(ValueError, match="programs of 4 or 8 warps"):
-            decode_fp8_gluon.constexprs(query, kp, vp, warps=bad)
-
-
-@interpreted
 def test_where_it_cannot_run_the_triton_fp8_kernel_does():
     """On the CPU (interpreted) the rule runs the Triton fp8 kernel: the default equals kernel="fp8" bit for
     bit, and kernel="gluon" is a ValueError naming why the Gluon kernel cannot run."""
@@ -146,9 +122,8 @@ def test_every_build_compiles_for_sm_90():
     """Each build compiles for sm_90 with the installed Triton at both shapes (8B, 70B at TP 8), through
     experiments/kernel_sass.py in a process of its own (Gluon does not compile under the interpreter this
     suite runs): the operand layouts' conversions (assert_trivial) hold and the builds the timings compare
-    exist (0, 1 or 2 tiles ahead, 1 ahead capped at 128 registers, 8 warps 1 or 2 ahead, fp4 values 1 or 2
-    ahead). Registers are not pinned: they differ by Triton, but the 4-warp 2-ahead builds must fit
-    PREFETCH_2_PROGRAMS_PER_SM programs per SM and the 8-warp builds one."""
+    exist (0, 1 or 2 tiles ahead, 1 ahead capped at 128 registers, fp4 values 1 or 2 ahead). Registers are not
+    pinned: they differ by Triton, but the 2-ahead builds must fit PREFETCH_2_PROGRAMS_PER_SM programs per SM."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res = subprocess.run([sys.executable, os.path.join(root, "experiments", "kernel_sass.py"), "--only", "Gluon fp8",
                           "--json"], capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"),
@@ -156,16 +131,14 @@ def test_every_build_compiles_for_sm_90():
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     builds = ("Gluon fp8 kernel, 1 tile ahead", "Gluon fp8 kernel, 2 tiles ahead", "Gluon fp8 kernel, no loads ahead",
-              "Gluon fp8 kernel, 1 tile ahead at 128 registers", "Gluon fp8 kernel, 8 warps, 1 tile ahead",
-              "Gluon fp8 kernel, 8 warps, 2 tiles ahead", "Gluon fp8 kernel, fp4 values, 1 tile ahead",
+              "Gluon fp8 kernel, 1 tile ahead at 128 registers", "Gluon fp8 kernel, fp4 values, 1 tile ahead",
               "Gluon fp8 kernel, fp4 values, 2 tiles ahead")
     assert sorted((r["model"], r["kernel"]) for r in rows) == sorted((m, k) for m in ("8B", "70B-TP8") for k in builds)
     assert all(r["regs"] > 0 and r["ops"]["HMMA"] > 0 for r in rows)
-    two = [r["regs"] for r in rows if "2 tiles" in r["kernel"] and "8 warps" not in r["kernel"]]
+    two = [r["regs"] for r in rows if "2 tiles" in r["kernel"]]
     assert all(65536 // (-(-n // 8) * 8 * 32 * decode_fp8_gluon.W) >= decode_fp8_gluon.PREFETCH_2_PROGRAMS_PER_SM
                for n in two), two
     assert all(r["regs"] <= 128 for r in rows if "128" in r["kernel"])
-    assert all(r["regs"] * 32 * 8 <= 65536 for r in rows if "8 warps" in r["kernel"])  # one program per SM fits
 
 
 # partial tiles, one to three whole tiles with and without a partial one (the 2-ahead build's edge cases at one
@@ -191,32 +164,6 @@ def test_matches_reference_on_gpu(kv_heads, group, num_splits, prefetch, maxnreg
     triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS),
                                   options=DecodeOptions(kernel="fp8", num_splits=num_splits))
     assert worst_rel_err(out, triton_out) < 1e-2
-
-
-@on_gpu
-@needs_gluon
-@pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 3)])
-@pytest.mark.parametrize("num_splits", [None, 7])
-@pytest.mark.parametrize("prefetch", [1, 2, 0])
-@pytest.mark.parametrize("values", ["fp8", "fp4"])
-def test_programs_of_8_warps_match_reference_on_gpu(kv_heads, group, num_splits, prefetch, values):
-    """The 8-warp build (DecodeOptions.num_warps=8: 128-token tiles) against float32 attention over the same pages
-    and against the rule's 4-warp build, fp8 values and fp4 values (V_FP4), each number of tiles ahead."""
-    if values == "fp8":
-        table, kp, vp = _fp8_pages(SEQ_LENS, kv_heads, 16, seed=kv_heads + group, device="cuda")
-        formats = (None, None)
-    else:
-        table, kp, vp, formats = _fp8_fp4_pages(SEQ_LENS, kv_heads, 16, seed=kv_heads + group)
-    query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
-    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
-    out = torch.full_like(query, float("nan"))
-    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, out=out,
-                     options=DecodeOptions(kernel="gluon", num_splits=num_splits, prefetch=prefetch, num_warps=8))
-    ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
-    assert worst_rel_err(out, ref) < 1e-2
-    four = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
-                            options=DecodeOptions(kernel="gluon", num_splits=num_splits, prefetch=prefetch))
-    assert worst_rel_err(out, four) < 1e-2
 
 
 def _fp8_fp4_pages(seq_lens, kv_heads, block_size, seed, v_mult=1.0):

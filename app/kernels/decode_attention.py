@@ -467,9 +467,8 @@ class DecodeOptions:
     decode_fp4_gluon.F16_DEFAULT); pair, tile pairs (two tiles per pass in the MMA's padding columns, at
     most 4 query heads per KV head and a 4-tile ring) for splits with at least this many whole tiles, 0
     never (None: decode_fp4_gluon.PAIR_MIN_TILES). The fp8 Gluon kernel: prefetch, the whole tiles whose loads
-    are issued ahead of the one attended, 0, 1 or 2 (None: decode_fp8_gluon.prefetch_for's rule); num_warps,
-    warps per program, 4 or 8 (each attends 16 tokens of a tile: tiles of 64 or 128 tokens; other values raise
-    ValueError); maxnreg applies (None: uncapped)."""
+    are issued ahead of the one attended, 0, 1 or 2 (None: decode_fp8_gluon.prefetch_for's rule); maxnreg
+    applies (None: uncapped)."""
 
     kernel: str | None = None
     num_splits: int | None = None
@@ -546,7 +545,7 @@ def decode_attention(
                              f"decode: {why}")
         if why is None and (fp8_pages or fp8_fp4_pages):
             return _decode_fp8_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, num_splits,
-                                     out, maxnreg, o.prefetch, o.num_warps)
+                                     out, maxnreg, o.prefetch)
         if why is None:
             return _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, formats,
                                  num_splits, out, maxnreg, num_stages, o.fp16, o.pair)
@@ -649,14 +648,13 @@ def _decode_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_se
 
 
 def _decode_fp8_gluon(query, k_pages, v_pages, block_tables, seq_lens, scale, max_seq_len, num_splits, out,
-                      maxnreg: int | None, prefetch: int | None, warps: int = 4) -> torch.Tensor:
+                      maxnreg: int | None, prefetch: int | None) -> torch.Tensor:
     """The splits planned for the default build (PREFETCH whole tiles ahead) as fp4_rule plans them, then the
-    build for the programs that leaves (decode_fp8_gluon.prefetch_for) unless `prefetch` names one; programs of
-    `warps` warps."""
-    const = decode_fp8_gluon.constexprs(query, k_pages, v_pages, warps=warps)
+    build for the programs that leaves (decode_fp8_gluon.prefetch_for) unless `prefetch` names one."""
+    const = decode_fp8_gluon.constexprs(query, k_pages, v_pages)
     if maxnreg:
         const["maxnreg"] = maxnreg
-    tile = warps * decode_fp8_gluon.TW
+    tile = decode_fp8_gluon.W * decode_fp8_gluon.TW
     num_kv_heads = k_pages[0].shape[2]
     if num_splits is None:
         per_sm = decode_fp8_gluon.programs_per_sm(query, k_pages, v_pages, block_tables, seq_lens, const)

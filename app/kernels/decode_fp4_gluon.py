@@ -213,36 +213,34 @@ _V16_UNPACK_PTX = ("""
 
 
 def _linear(reg, lane, shape):
-    """A linear layout over [warps, ...] with the warps on dim 0 (shape[0], a power of two) and the given register
-    and lane bases."""
-    warps = [[1 << i] + [0] * (len(shape) - 1) for i in range(shape[0].bit_length() - 1)]
+    """A linear layout over [W, ...] with the warps on dim 0 and the given register and lane bases."""
+    warps = [[1] + [0] * (len(shape) - 1), [2] + [0] * (len(shape) - 1)]
     return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warps, block_bases=[], shape=shape)
 
 
-def layouts(warps: int = W) -> dict:
-    """The kernel's layouts (warp tiles of TW = 16 tokens) for programs of `warps` warps (this kernel's: W;
-    decode_fp8_gluon's value operand takes others); lane = 4 g + t as in mma.m16n8k16."""
-    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1, 1], instr_shape=[1, 16, 8])
+def layouts() -> dict:
+    """The kernel's layouts (warp tiles of TW = 16 tokens); lane = 4 g + t as in mma.m16n8k16."""
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
     return dict(
         MMA=mma,
         A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
         B_OP=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
-        # K code words [warps, 16 tokens, 4 (t), 4 words]: thread (g, t) holds bytes 16t.. of tokens g, g+8
+        # K code words [W, 16 tokens, 4 (t), 4 words]: thread (g, t) holds bytes 16t.. of tokens g, g+8
         K_LOAD=_linear([[0, 0, 0, 1], [0, 0, 0, 2], [0, 8, 0, 0]],
-                       [[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]], [warps, TW, 4, 4]),
-        # V code words of the first token of each pair [warps, 8 pairs, 8 (g), 2 words]: thread (g, t)
+                       [[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]], [W, TW, 4, 4]),
+        # V code words of the first token of each pair [W, 8 pairs, 8 (g), 2 words]: thread (g, t)
         # holds bytes 8g.. of tokens 2t and 2t + 8 (the second token of a pair is the next row)
         V_LOAD=_linear([[0, 0, 0, 1], [0, 4, 0, 0]],
-                       [[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]], [warps, TW // 2, 8, 2]),
-        # cp.async of one word per token [warps, TW] (lanes 16-31 repeat 0-15), and of the 2 words of a
-        # token's key outlier values [warps, TW, 2]
-        COPY_ROW=_linear([], [[0, 1], [0, 2], [0, 4], [0, 8], [0, 0]], [warps, TW]),
-        COPY_ROW2=_linear([[0, 0, 1]], [[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0], [0, 0, 0]], [warps, TW, 2]),
+                       [[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]], [W, TW // 2, 8, 2]),
+        # cp.async of one word per token [W, TW] (lanes 16-31 repeat 0-15), and of the 2 words of a
+        # token's key outlier values [W, TW, 2]
+        COPY_ROW=_linear([], [[0, 1], [0, 2], [0, 4], [0, 8], [0, 0]], [W, TW]),
+        COPY_ROW2=_linear([[0, 0, 1]], [[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0], [0, 0, 0]], [W, TW, 2]),
         # the rows of S^T (tokens g, g + 8 of lane 4 g + t) with the 2 outlier value words
-        S_ROW2=_linear([[0, 0, 1], [0, 8, 0]], [[0, 0, 0], [0, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [warps, TW, 2]),
-        # the V scale words of tokens (2 pair, 2 pair + 1) [warps, TW/2, 2] where V_LOAD holds their codes
+        S_ROW2=_linear([[0, 0, 1], [0, 8, 0]], [[0, 0, 0], [0, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [W, TW, 2]),
+        # the V scale words of tokens (2 pair, 2 pair + 1) [W, TW/2, 2] where V_LOAD holds their codes
         V_SCALE2=_linear([[0, 0, 1], [0, 4, 0]], [[0, 1, 0], [0, 2, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
-                         [warps, TW // 2, 2]),
+                         [W, TW // 2, 2]),
     )
 
 

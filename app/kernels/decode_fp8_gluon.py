@@ -24,11 +24,6 @@ with fp8's operands (its docstring explains the orientation, the warps and the s
 - Loads. No shared memory: each warp loads its 16 tokens of a 64-token tile into registers, the loads
   of the next PREFETCH (1 or 2) whole tiles issued before the current one is attended, so they fly while
   it computes (prefetch_for picks the build per launch). The partial tile, if any, is attended first.
-- Warps. Programs of 4 warps (the rule's) or 8 (DecodeOptions.num_warps=8: 128-token tiles, the same
-  loop per thread; 153-195 registers on Triton 3.6, one program per SM): for launches of about one
-  program per SM, where one warp per scheduler issues an instruction every 4-5 cycles (docs/history.md),
-  twice the warps on the same tokens. Its GPU tests and timing (experiments/small_launches.py) have not
-  run yet; the rule does not take it.
 - fp8 keys with fp4 values (V_FP4, kv_cache_dtype fp8-fp4): the values go through decode_fp4_gluon's value
   operand and fp16 map (its V_LOAD, group scales and the per-vector exponent folded into the softmax max);
   decode_attention takes it by the rule while FP8_FP4_GLUON (on).
@@ -85,25 +80,24 @@ _V8_PTX = """
 """
 
 
-def layouts(warps: int = W) -> dict:
-    """The kernel's layouts for programs of `warps` warps (warp tiles of TW = 16 tokens); lane = 4 g + t as in
-    mma.m16n8k16."""
+def layouts() -> dict:
+    """The kernel's layouts (warp tiles of TW = 16 tokens); lane = 4 g + t as in mma.m16n8k16."""
     lin = decode_fp4_gluon._linear
-    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1, 1], instr_shape=[1, 16, 8])
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
     return dict(
         MMA=mma,
         A_OP=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
         B_OP=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
         # K words [W, 16 tokens, 4 (t), 8 words]: thread (g, t) holds bytes 32 t.. of tokens g, g + 8
         K_LOAD=lin([[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 8, 0, 0]],
-                   [[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]], [warps, TW, 4, 8]),
+                   [[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]], [W, TW, 4, 8]),
         # V words of the first token of each pair [W, 8 pairs, 8 (g), 4 words]: thread (g, t) holds bytes
         # 16 g.. of tokens 2 t and 2 t + 8 (the pair's second token is the next row)
         V_LOAD=lin([[0, 0, 0, 1], [0, 0, 0, 2], [0, 4, 0, 0]],
-                   [[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]], [warps, TW // 2, 8, 4]),
+                   [[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]], [W, TW // 2, 8, 4]),
         # fp4 values (V_FP4): decode_fp4_gluon's V code words [W, 8 pairs, 8 (g), 2 words], bytes 8 g.. of
         # tokens 2 t and 2 t + 8
-        V4_LOAD=decode_fp4_gluon.layouts(warps)["V_LOAD"],
+        V4_LOAD=decode_fp4_gluon.layouts()["V_LOAD"],
     )
 
 
@@ -230,14 +224,13 @@ if AVAILABLE:
         sm_scale_log2, stride_q_seq, stride_q_head, stride_bt, split_size, num_splits,
         H: gl.constexpr, GROUP: gl.constexpr, BS: gl.constexpr, SPLIT: gl.constexpr, TW: gl.constexpr,
         MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, K_LOAD: gl.constexpr, V_LOAD: gl.constexpr,
-        OFF64: gl.constexpr, PREFETCH: gl.constexpr, V_FP4: gl.constexpr, WARPS: gl.constexpr,
+        OFF64: gl.constexpr, PREFETCH: gl.constexpr, V_FP4: gl.constexpr,
     ):
         """v0, v1, v2: the values' E4M3 array, scales and (unused) scales again; V_FP4: their fp4 codes, group
-        scales and scale_exp (V_LOAD then decode_fp4_gluon's). WARPS: the program's warps (its layouts'), each
-        attending TW tokens of a tile of WARPS * TW."""
+        scales and scale_exp (V_LOAD then decode_fp4_gluon's)."""
         gl.static_assert(PREFETCH >= 0 and PREFETCH <= 2, "PREFETCH: whole tiles in flight ahead, 0-2")
         D: gl.constexpr = 128
-        WN: gl.constexpr = WARPS
+        WN: gl.constexpr = 4
         NH: gl.constexpr = 8
         h = gl.program_id(0)
         b = gl.program_id(1)
@@ -405,29 +398,26 @@ def prefetch_for(programs: int, sms: int) -> int:
     return 2 if programs <= PREFETCH_2_PROGRAMS_PER_SM * sms else PREFETCH
 
 
-def constexprs(query, k_pages, v_pages, prefetch: int = PREFETCH, warps: int = W) -> dict:
-    """A build's constexprs and launch options for this decode: programs of `warps` warps (4: the rule's, or 8)."""
-    if warps not in (4, 8):
-        raise ValueError(f"the fp8 Gluon kernel runs programs of 4 or 8 warps (got {warps!r})")
-    if warps not in _LAYOUTS:
-        _LAYOUTS[warps] = layouts(warps)
-    lay = _LAYOUTS[warps]
+def constexprs(query, k_pages, v_pages, prefetch: int = PREFETCH) -> dict:
+    """A build's constexprs and launch options for this decode."""
+    if not _LAYOUTS:
+        _LAYOUTS.update(layouts())
     k_vals, v_main = k_pages[0], _value_args(v_pages)[0]
     num_kv_heads = k_vals.shape[2]
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0, 1 or 2 whole tiles ahead (got {prefetch!r})")
     v4 = fp4_values(v_pages)
     return dict(H=num_kv_heads, GROUP=query.shape[1] // num_kv_heads, BS=k_vals.shape[1], TW=TW,
-                OFF64=max(k_vals.numel(), v_main.numel()) >= 2 ** 31, PREFETCH=prefetch, V_FP4=v4, WARPS=warps,
-                num_warps=warps, **{k: v for k, v in lay.items() if k not in ("V_LOAD", "V4_LOAD")},
-                V_LOAD=lay["V4_LOAD" if v4 else "V_LOAD"])
+                OFF64=max(k_vals.numel(), v_main.numel()) >= 2 ** 31, PREFETCH=prefetch, V_FP4=v4, num_warps=W,
+                **{k: v for k, v in _LAYOUTS.items() if k not in ("V_LOAD", "V4_LOAD")},
+                V_LOAD=_LAYOUTS["V4_LOAD" if v4 else "V_LOAD"])
 
 
 def programs_per_sm(query, k_pages, v_pages, block_tables, seq_lens, const: dict) -> int:
     """Programs of this build resident per SM (at most PLAN_PROGRAMS_PER_SM), from its compiled registers,
     compiled once per build: it sets the split count, so that the grid fills whole waves."""
     key = (query.device, query.dtype, block_tables.dtype, seq_lens.dtype,
-           *(const.get(k) for k in ("H", "GROUP", "BS", "OFF64", "PREFETCH", "V_FP4", "WARPS", "maxnreg")))
+           *(const.get(k) for k in ("H", "GROUP", "BS", "OFF64", "PREFETCH", "V_FP4", "maxnreg")))
     if key not in _RESOURCES:
         part = torch.empty(1, dtype=torch.float32, device=query.device)
         kernel = _decode_fp8_gluon_kernel.warmup(
@@ -435,14 +425,13 @@ def programs_per_sm(query, k_pages, v_pages, block_tables, seq_lens, const: dict
             query.stride(1), block_tables.stride(0), 128, 2, SPLIT=True, grid=(1,), **const)
         kernel._init_handles()
         regs = -(-kernel.n_regs // 8) * 8  # allocated in steps of 8 per thread
-        _RESOURCES[key] = max(1, min(PLAN_PROGRAMS_PER_SM, 65536 // (regs * 32 * const["num_warps"])))
+        _RESOURCES[key] = max(1, min(PLAN_PROGRAMS_PER_SM, 65536 // (regs * 32 * W)))
     return _RESOURCES[key]
 
 
 def launch(query, k_pages, v_pages, block_tables, seq_lens, sm_scale_log2: float, out, part_o, part_lse,
            split_size: int, num_splits: int, const: dict) -> None:
-    """Launch over (KV head, sequence, split); split_size (a multiple of the build's warps x TW) is the longest
-    split."""
+    """Launch over (KV head, sequence, split); split_size (a multiple of W * TW) is the longest split."""
     _decode_fp8_gluon_kernel[(k_pages[0].shape[2], query.shape[0], num_splits)](
         query, out, part_o, part_lse, *k_pages, *_value_args(v_pages), block_tables, seq_lens, sm_scale_log2, query.stride(0),
         query.stride(1), block_tables.stride(0), split_size, num_splits, SPLIT=num_splits > 1, **const)
