@@ -28,7 +28,8 @@ Sections (--sections, run in this order):
    max_new_tokens=1 then N (min_new_tokens=N), next to our bf16 row of the same shape.
 3. capacity: fixed KV budget, all requests submitted at once: peak running sequences, wall time,
    output tok/s, decode-phase tok/s (sum(out-1) / time of decode-only steps), TTFT/ITL percentiles.
-4. steps: mean split of decode-only steps (schedule/prepare/forward/sample/output), CUDA graphs on/off.
+4. steps: mean split of decode-only steps (schedule/prepare/forward/sample/output), CUDA graphs on/off, steps
+   run serially (async scheduling off); with graphs off, device time per step by kernel (torch.profiler).
 Each row prints as a JSON line when measured; --json is rewritten after
 each section, so a run cut short keeps what it measured. A summary table prints at the end.
 """
@@ -347,7 +348,9 @@ def run_capacity(args, R: dict) -> None:
 
 def steps_one(args, R: dict, kv: str, eager: bool) -> None:
     (n, L), O = parse_shapes(args.steps_shape)[0], args.steps_output_len
-    llm = make_llm(args, kv, eager, max_num_seqs=n, max_model_len=L + O + 1)
+    # serial steps: the split synchronizes between phases, and with async scheduling a step is scheduled before
+    # the one before it ends, so its total would span both
+    llm = make_llm(args, kv, eager, max_num_seqs=n, max_model_len=L + O + 1, async_scheduling=False)
     eng = llm.engine
     try:
         prompts = make_prompts(n, L, eng.vocab_size, seed=4)
@@ -386,13 +389,15 @@ def profile_decode(llm: LLM, prompts, max_tokens: int, num_steps: int = 3, top: 
                                                    for s in eng.scheduler.running):
             break
     sync("cuda")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):
             eng.step()
         sync("cuda")
     eng.abort_request([f"prof-{i}" for i in range(len(prompts))])
     rows = [(e.key, e.self_device_time_total / 1e3 / num_steps, e.count / num_steps) for e in prof.key_averages()
             if e.self_device_time_total > 0]
+    if not rows:  # say so rather than print a total of 0
+        return [["the profiler recorded no device time (CUPTI missing?)", 0, len(prof.events())]]
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
     return [["TOTAL", round(total, 3), round(sum(r[2] for r in rows), 1)]] + \
