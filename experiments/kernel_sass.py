@@ -161,7 +161,7 @@ def main() -> None:
                          v2="*fp32")
     fp8_gluon_args = {"TW": decode_fp8_gluon.TW, "OFF64": False, "V_FP4": False, **decode_fp8_gluon.layouts()}
     gluon_args = {"K_KO": 4, "TW": decode_fp4_gluon.TW, "OFF64": False, "STAGES": decode_fp4_gluon.STAGES,
-                  "F16": True, "PAIR": None, "KG8": False, "QVEC": decode_fp4_gluon.QUERY_VECTOR,
+                  "F16": True, "PAIR": None, "KG8": False, "KG16": False, "QVEC": decode_fp4_gluon.QUERY_VECTOR,
                   **decode_fp4_gluon.layouts()}  # fp16 MMAs: the default
     # PAIR None: the launcher's choice for the shape (tile pairs at <= 4 query heads per KV head with the
     # 4-tile ring: the loop then takes two pairs, 4 tiles, at PAIR_MAXNREG registers)
@@ -180,6 +180,10 @@ def main() -> None:
          dict(gluon_sig, block_tables_ptr="*i64", seq_lens_ptr="*i64"), gluon_args, 4, 1, None, 64, 2),
         ("Gluon fp4 kernel, key groups of 8 (no key slots)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
          dict(gluon_args, K_KO=0, KG8=True), 4, 1, None, 64, 2),
+        ("Gluon fp4 kernel, key groups of 16 with key slots (KG16)", decode_fp4_gluon._decode_fp4_gluon_kernel,
+         gluon_sig, dict(gluon_args, KG16=True), 4, 1, None, 64, 2),
+        ("Gluon fp4 kernel, key groups of 16, single tiles", decode_fp4_gluon._decode_fp4_gluon_kernel,
+         gluon_sig, dict(gluon_args, KG16=True, PAIR=0), 4, 1, None, 64, 2),
         ("Gluon fp4 kernel, bf16 MMAs (fp16=False)", decode_fp4_gluon._decode_fp4_gluon_kernel, gluon_sig,
          dict(gluon_args, F16=False), 4, 1, None, 64, 2),
         ("Triton fp4 kernel (128 regs, 1 stage)", _decode_fp4_kernel, SIG, fp4_args, 4, 1, 128, 128, 1),

@@ -52,7 +52,7 @@ def _cpu_launch(group=4, kv_heads=2, seqs=2, pages=None, **kw):
     return decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4, **kw)
 
 
-def test_unsupported_names_the_reason():
+def test_unsupported_names_the_reason(monkeypatch):
     def why(head_dim=128, heads=8, kv_heads=2, formats=DEFAULT_FP4, block_size=16, offset=0, field=0, stages=None):
         q = torch.zeros(1, heads, head_dim, dtype=torch.bfloat16)
         k, v = _zero_pages(kv_heads, 1, block_size, head_dim, formats)
@@ -61,10 +61,15 @@ def test_unsupported_names_the_reason():
         return decode_fp4_gluon.unsupported(q, k, v, formats, block_size, stages)
 
     assert why(head_dim=64) == "head_dim 64 (needs 128)"
-    assert why(formats=(FP4Format(group_size=16, outliers=4), FP4Format(group_size=32))) == (
-        "groups other than 32 (or 8 for keys)")
+    kg16 = (FP4Format(group_size=16, outliers=4), FP4Format(group_size=32))
+    monkeypatch.setattr(decode_fp4_gluon, "KEY_GROUPS_OF_16", False)
+    assert why(formats=kg16) == "key groups of 16 (the KG16 build is off: KEY_GROUPS_OF_16)"
+    monkeypatch.setattr(decode_fp4_gluon, "KEY_GROUPS_OF_16", True)
+    assert why(formats=kg16, stages=0) == "key groups of 16 run on the cp.async ring only (num_stages > 0)"
+    assert why(formats=(FP4Format(group_size=4), FP4Format(group_size=32))) == (
+        "groups other than 32 (or 8 or 16 for keys)")
     assert why(formats=(FP4Format(group_size=32, outliers=4), FP4Format(group_size=8))) == (
-        "groups other than 32 (or 8 for keys)")
+        "groups other than 32 (or 8 or 16 for keys)")
     assert why(formats=(FP4Format(group_size=8, outliers=4), FP4Format(group_size=32))) == (
         "key groups of 8 with key outlier slots")
     assert why(formats=(FP4Format(group_size=8, outliers=2), FP4Format(group_size=32))) == (
@@ -79,9 +84,10 @@ def test_unsupported_names_the_reason():
     assert why(block_size=8) == "block_size 8 not a multiple of 16"
     for field in range(5):  # codes, scales, scale_exp, out_vals, out_idx
         assert why(offset=2, field=field).startswith("page arrays not 4-byte aligned"), field
-    # in scope (the default format, and key groups of 8 without slots): on this CPU (or a Triton without
-    # Gluon) it still says no
-    for formats in (DEFAULT_FP4, (FP4Format(group_size=8), FP4Format(group_size=32))):
+    # in scope (the default format, key groups of 8 without slots, of 16 with or without): on this CPU (or a
+    # Triton without Gluon) it still says no
+    for formats in (DEFAULT_FP4, (FP4Format(group_size=8), FP4Format(group_size=32)), kg16,
+                    (FP4Format(group_size=16), FP4Format(group_size=32))):
         assert why(formats=formats) in ("Gluon kernels run on CUDA, not on CPU or under TRITON_INTERPRET",
                                         "this Triton has no Gluon"), formats
 
@@ -101,6 +107,24 @@ def test_key_groups_of_8_run_on_the_ring_without_key_slots():
     with pytest.raises(ValueError, match="key groups of 8 run without key outlier slots"):
         decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 4)
     assert not _cpu_launch(group=8, kv_heads=1).constexprs["KG8"]
+
+
+@needs_gluon
+def test_key_groups_of_16_build_kg16_on_the_ring():
+    """Key groups of 16 (8 scale bytes per key vector) build KG16, with or without key outlier slots, on the
+    cp.async ring only; the default format's pages and key groups of 8 do not."""
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    for slots in (4, 0):
+        k, v = _zero_pages(kv_heads=1, blocks=2, formats=(FP4Format(group_size=16, outliers=slots),
+                                                          FP4Format(group_size=32)))
+        c = decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, slots).constexprs
+        assert (c["KG16"], c["KG8"], c["K_KO"]) == (True, False, slots)
+        with pytest.raises(ValueError, match="key groups of 16 run on the cp.async ring only"):
+            decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, slots, stages=0)
+    assert not _cpu_launch(group=8, kv_heads=1).constexprs["KG16"]
+    k, v = _zero_pages(kv_heads=1, blocks=2, formats=(FP4Format(group_size=8), FP4Format(group_size=32)))
+    assert not decode_fp4_gluon.Launch(q, k, v, table, lens, 1.0, 0).constexprs["KG16"]
 
 
 @needs_gluon
@@ -269,6 +293,40 @@ def test_key_groups_of_8_match_reference_on_gpu(kv_heads, group, num_splits):
         with pytest.raises(ValueError, match="cannot run this decode: key groups of 8 run on the cp.async ring"):
             decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
                              options=DecodeOptions(kernel="gluon", num_stages=0))
+
+
+@on_gpu
+@needs_gluon
+@pytest.mark.parametrize("kv_heads,group", [(8, 4), (1, 8), (2, 1), (2, 3)])
+@pytest.mark.parametrize("key_outliers", [4, 0])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_key_groups_of_16_match_reference_on_gpu(monkeypatch, kv_heads, group, key_outliers, num_splits):
+    """The KG16 build (key groups of 16, with and without key slots), switched on, against float32 attention
+    over the same pages and the Triton fp4 kernel: partial tiles, GQA groupings, one split (long: tile pairs
+    where the group leaves padding columns) and seven (short: single tiles); the rule takes it."""
+    monkeypatch.setattr(decode_fp4_gluon, "KEY_GROUPS_OF_16", True)
+    ran = []
+
+    class Observed(decode_fp4_gluon.Launch):
+        def run(self, *args):
+            super().run(*args)
+            ran.append((self.constexprs["KG16"], self.constexprs["K_KO"]))
+
+    monkeypatch.setattr(decode_fp4_gluon, "Launch", Observed)
+    formats = (FP4Format(group_size=16, outliers=key_outliers), FP4Format(group_size=32))
+    table, kp, vp = cuda_fp4_pages(SEQ_LENS, kv_heads, 16, formats, seed=kv_heads + group + 200)
+    query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
+    assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) is None
+    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
+    out = torch.full_like(query, float("nan"))
+    decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, out=out,
+                     options=DecodeOptions(num_splits=num_splits))
+    assert ran == [(True, key_outliers)]
+    ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
+    assert worst_rel_err(out, ref) < 1e-2
+    triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
+                                  options=DecodeOptions(kernel="fp4"))
+    assert worst_rel_err(out, triton_out) < 1e-2
 
 
 @on_gpu
@@ -577,10 +635,10 @@ def test_64_bit_offsets_on_gpu(monkeypatch):
 @on_gpu
 @needs_gluon
 def test_falls_back_outside_its_scope_on_gpu():
-    formats = (FP4Format(group_size=16, outliers=1), FP4Format(group_size=16))
+    formats = (FP4Format(group_size=32, outliers=1), FP4Format(group_size=16))
     table, kp, vp = cuda_fp4_pages([100], 2, 16, formats, seed=0)
     query = torch.randn(1, 8, 128, device="cuda").bfloat16()
-    assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) == "groups other than 32 (or 8 for keys)"
+    assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) == "groups other than 32 (or 8 or 16 for keys)"
     lens = torch.tensor([100], device="cuda")
     with pytest.raises(ValueError, match="groups other than 32"):
         decode_attention(query, kp, vp, table, lens, 0.1, 100, formats, options=DecodeOptions(kernel="gluon"))

@@ -119,6 +119,15 @@ try:  # Gluon ships with Triton >= 3.5; without it decode_attention uses the Tri
         return [gl.constexpr(1)] * (rank - 1) + [gl.constexpr(n)]
 
     @constexpr_function
+    def _key_scale_rows(shape, tw):
+        """Which key scales a ring set's array of shape `shape` holds (_ring_set): 3 a word per token, 4 key
+        groups of 8, 5 key groups of 16 (_pair_sources' KSR)."""
+        dims = [getattr(d, "value", d) for d in shape]
+        if len(dims) == 4:
+            return 4
+        return 5 if dims[2] == 4 * getattr(tw, "value", tw) else 3
+
+    @constexpr_function
     def _row_major(rank):
         """An unswizzled row-major shared layout of rank dims."""
         return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
@@ -128,11 +137,27 @@ try:  # Gluon ships with Triton >= 3.5; without it decode_attention uses the Tri
         @gluon.jit
         def _reinterpret(buf, layout: gl.constexpr):
             return buf.reinterpret(buf.dtype, buf.shape, layout)
+
+        @gluon.jit
+        def _reshaped(buf, d0: gl.constexpr, d1: gl.constexpr, d2: gl.constexpr, d3: gl.constexpr = 0):
+            """An unswizzled row-major array viewed as [d0, d1, d2] (or [.., d3]) in the same row-major order."""
+            if d3 == 0:
+                return buf.reinterpret(buf.dtype, [d0, d1, d2], _row_major(3))
+            else:
+                return buf.reinterpret(buf.dtype, [d0, d1, d2, d3], _row_major(4))
     else:
 
         @gluon.jit
         def _reinterpret(buf, layout: gl.constexpr):
             return buf._reinterpret(buf.dtype, buf.shape, layout)
+
+        @gluon.jit
+        def _reshaped(buf, d0: gl.constexpr, d1: gl.constexpr, d2: gl.constexpr, d3: gl.constexpr = 0):
+            """An unswizzled row-major array viewed as [d0, d1, d2] (or [.., d3]) in the same row-major order."""
+            if d3 == 0:
+                return buf._reinterpret(buf.dtype, [d0, d1, d2], _row_major(3))
+            else:
+                return buf._reinterpret(buf.dtype, [d0, d1, d2, d3], _row_major(4))
 
     AVAILABLE = True
     # A pair's two tiles as one copy per array (_copy_pair) where the Membar pass would put a barrier between
@@ -504,9 +529,11 @@ if AVAILABLE:
 
     @gluon.jit
     def _copy_rows4(n0, end, bt_row, h, BS: gl.constexpr, H: gl.constexpr, TW: gl.constexpr, OFF64: gl.constexpr,
-                    MASKED: gl.constexpr):
+                    MASKED: gl.constexpr, G16: gl.constexpr = False):
         """Key groups of 8: the word offsets [W, TW, 4] of each token's 16 key scale bytes (one 16-byte copy per
-        token, lanes 16-31 repeating 0-15), and their mask."""
+        token, lanes 16-31 repeating 0-15), and their mask. G16 (key groups of 16, 8 scale bytes): word e of the
+        row is the token's scale word e // 2 (four 4-byte copies per token), so that word t holds thread t's
+        scales as with groups of 8 (_read_k)."""
         L4: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 0, 1], [0, 0, 2]], lane_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0], [0, 0, 0]],
             warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, TW, 4])
@@ -519,6 +546,8 @@ if AVAILABLE:
             m4 = (n0 + TW * w4 + r4 < end) & (e4 >= 0)
         else:
             m4 = (r4 >= 0) & (e4 >= 0)
+        if G16:
+            return rows4 * 2 + (e4 >> 1), m4
         return rows4 * 4 + e4, m4
 
     @gluon.jit
@@ -528,7 +557,8 @@ if AVAILABLE:
         STAGES > 0).
         cp.async moves 4, 8 or 16 bytes, so byte arrays travel as the aligned word that holds the byte
         (_read_tile picks it out): a token's 4 K or V scale bytes are one word (with key groups of 8 its
-        16 K scale bytes are 4 words, one 16-byte copy: _copy_rows4), an exponent byte is
+        16 K scale bytes are 4 words, one 16-byte copy: _copy_rows4; with groups of 16 its 2 scale words
+        each fill two of the row's 4), an exponent byte is
         byte (row & 3) of word row >> 2. Per-token words are copied once per token (COPY_ROW), not
         once per thread that reads them. MASKED (the partial tile, which the ring attends first): tokens
         at or past `end` copy zeros. (The outlier value rows are computed after the first copies: computed
@@ -539,10 +569,13 @@ if AVAILABLE:
         k0, k1, k2, k3, k4, v0, v1, v2 = pages
         pk, mk, rows_c, mc, pa, mva, mvb = _copy_rows(n0, end, bt_row, h, pages, cidx, BS, H, TW, OFF64, MASKED)
         _async_load(bkc.index(stage), pk, mk)
-        KR: gl.constexpr = len(bks.shape)
+        KR: gl.constexpr = _key_scale_rows(bks.shape, TW)
         if KR == 4:  # key groups of 8: a token's 16 scale bytes, 4 words
             words4, m4 = _copy_rows4(n0, end, bt_row, h, BS, H, TW, OFF64, MASKED)
             _async_load(bks.index(stage), k1.to(i32) + words4, m4)
+        elif KR == 5:  # key groups of 16: a token's 8 scale bytes, each word twice
+            words4, m4 = _copy_rows4(n0, end, bt_row, h, BS, H, TW, OFF64, MASKED, True)
+            _async_load(_reshaped(bks.index(stage), bks.shape[1], TW, 4), k1.to(i32) + words4, m4)
         else:
             _async_load(bks.index(stage), k1.to(i32) + rows_c, mc)  # a token's 4 scale bytes: one word
         _async_load(bek.index(stage), k2.to(i32) + (rows_c >> 2), mc)
@@ -557,9 +590,10 @@ if AVAILABLE:
 
     @gluon.jit
     def _pair_sources(n0, bt_row, h, pages, cidx, BS: gl.constexpr, H: gl.constexpr, TW: gl.constexpr,
-                      K_KO: gl.constexpr, OFF64: gl.constexpr, KG8: gl.constexpr):
+                      K_KO: gl.constexpr, OFF64: gl.constexpr, KSR: gl.constexpr):
         """A whole tile's source pointers, one per array of a ring set (_ring_set's order; K_KO == 0: the
-        outlier arrays' entries repeat the exponent's and are never copied)."""
+        outlier arrays' entries repeat the exponent's and are never copied). KSR: the rank of the set's key
+        scale array (3: a word per token; 4: key groups of 8; 5: of 16)."""
         D: gl.constexpr = 128
         i32: gl.constexpr = gl.pointer_type(gl.int32)
         k0, k1, k2, k3, k4, v0, v1, v2 = pages
@@ -573,8 +607,11 @@ if AVAILABLE:
         else:
             iw = ek
             vw = ek
-        if KG8:
+        if KSR == 4:
             words4, m4 = _copy_rows4(n0, n0, bt_row, h, BS, H, TW, OFF64, False)
+            pks = k1.to(i32) + words4
+        elif KSR == 5:
+            words4, m4 = _copy_rows4(n0, n0, bt_row, h, BS, H, TW, OFF64, False, True)
             pks = k1.to(i32) + words4
         else:
             pks = k1.to(i32) + rows_c
@@ -582,18 +619,19 @@ if AVAILABLE:
                 v1.to(i32) + rows_c)
 
     @gluon.jit
-    def _copy_pair(buf, a, b):
+    def _copy_pair(buf, a, b, RESTATE: gl.constexpr = True):
         """Copy two tiles' words (pointers a, b [W, ...], whole tiles, no mask) into stages 0 and 1 of one of
         a set's arrays (buf [2, W, ...]) as one cp.async operation on the whole array, so that each array
         takes one copy per pair: two copies into one allocation (stage 0, then stage 1) made Triton 3.6's
         Membar pass put a barrier between them. The pointers' alignment and contiguity, which the join
         hides from the compiler, are restated (a K or V code row's 4 or 2 words start 16- or 8-byte
         aligned, as do a token's 2 outlier value words, on pages that Launch checked: _pair_copies_aligned),
-        so the copies keep their 16- and 8-byte width."""
+        so the copies keep their 16- and 8-byte width. RESTATE False: nothing restated (key groups of 16's scale
+        rows, whose words are not contiguous in global memory)."""
         R: gl.constexpr = len(a.shape)
         PL: gl.constexpr = _pair_layout(a.type.layout)
         x = gl.permute(gl.join(a, b), _pair_first(R).value)
-        if R > 2:  # R == 2: one word per token, nothing contiguous to restate
+        if R > 2 and RESTATE:  # R == 2: one word per token, nothing contiguous to restate
             C: gl.constexpr = a.shape[R - 1]  # words per thread and row
             x = gl.max_contiguous(gl.multiple_of(x, _last_dim(R + 1, 4 * C).value), _last_dim(R + 1, C).value)
         dst = _reinterpret(buf, _row_major(R + 1))
@@ -624,11 +662,19 @@ if AVAILABLE:
         sh_k, sh_s, sh_v = shifts
         kc = bkc.index(stage).load(K_LOAD)
         KL3: gl.constexpr = gl.SliceLayout(3, K_LOAD)
-        KR: gl.constexpr = len(bks.shape)
+        KR: gl.constexpr = _key_scale_rows(bks.shape, bkc.shape[2])
         if KR == 4:  # key groups of 8: word t holds the scale bytes of code words 0-3 of thread t
             bw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, K_LOAD))))
             bw = gl.expand_dims(gl.expand_dims(gl.expand_dims(bw, 0), 1), 2)  # [1, 1, 1, 4]
             ks = (gl.expand_dims(bks.index(stage).load(KL3), 3) >> (8 * bw)) & 255
+        elif KR == 5:  # key groups of 16: word t holds scale bytes 4 (t // 2).. (_copy_rows4), and code word w of
+            # thread t (dims 32 t + 8 w..) is in group 2 t + w // 2: byte 2 (t % 2) + w // 2 of the word
+            bw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, K_LOAD))))
+            bw = gl.expand_dims(gl.expand_dims(gl.expand_dims(bw, 0), 1), 2)  # [1, 1, 1, 4]
+            bt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL3)))
+            bt = gl.expand_dims(gl.expand_dims(gl.expand_dims(bt, 0), 1), 3)  # [1, 1, 4, 1]
+            words = _reshaped(bks.index(stage), bks.shape[1], bks.shape[2] // 4, 4).load(KL3)
+            ks = (gl.expand_dims(words, 3) >> (16 * (bt & 1) + 8 * (bw >> 1))) & 255
         else:
             ks = (gl.expand_dims(bks.index(stage).load(gl.SliceLayout(2, KL3)), 2) >> sh_k) & 255
         return kc, ks
@@ -656,11 +702,13 @@ if AVAILABLE:
         if q < n_pairs:
             n1 = start + (2 * q) * (4 * TW)
             if _ONE_COPY_PER_PAIR:
-                KG8: gl.constexpr = len(bufs[1].shape) == 4
-                a = _pair_sources(n1, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, KG8)
-                b = _pair_sources(n1 + 4 * TW, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, KG8)
+                KSR: gl.constexpr = _key_scale_rows(bufs[1].shape, TW)
+                a = _pair_sources(n1, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, KSR)
+                b = _pair_sources(n1 + 4 * TW, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, KSR)
                 for i in gl.static_range(9):
-                    if K_KO == 4 or (i != 3 and i != 4):
+                    if i == 1 and KSR == 5:  # key groups of 16: the scale rows as [2, W, TW, 4] words
+                        _copy_pair(_reshaped(bufs[1], 2, bufs[1].shape[1], TW, 4), a[1], b[1], False)
+                    elif K_KO == 4 or (i != 3 and i != 4):
                         _copy_pair(bufs[i], a[i], b[i])
             else:
                 _issue_tile(bufs, 0, n1, end, bt_row, h, pages, cidx, BS, H, TW, K_KO, OFF64, False)
@@ -762,15 +810,19 @@ if AVAILABLE:
         return m_new, l_i, acc
 
     @gluon.jit
-    def _ring_set(NS: gl.constexpr, WN: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr, KG8: gl.constexpr):
+    def _ring_set(NS: gl.constexpr, WN: gl.constexpr, TW: gl.constexpr, K_KO: gl.constexpr, KG8: gl.constexpr,
+                  KG16: gl.constexpr):
         """One of the ring's two allocations: NS stages of a tile's arrays, unswizzled and row-major (the
-        leading dim is the stage), as the tuple _issue_tile and _read_tile take."""
+        leading dim is the stage), as the tuple _issue_tile and _read_tile take. The key scales' shape says
+        their format: [NS, W, TW] a word per token, [NS, W, TW, 4] key groups of 8, [NS, W, 4 TW] of 16."""
         SL3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         SL4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
         SL5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
         bkc = gl.allocate_shared_memory(gl.int32, [NS, WN, TW, 4, 4], SL5)
         if KG8:
             bks = gl.allocate_shared_memory(gl.int32, [NS, WN, TW, 4], SL4)
+        elif KG16:  # [NS, WN, TW, 4] as [.., 4 TW]: its rank tells the builds apart, and views split its last dim
+            bks = gl.allocate_shared_memory(gl.int32, [NS, WN, 4 * TW], SL3)
         else:
             bks = gl.allocate_shared_memory(gl.int32, [NS, WN, TW], SL3)
         bek = gl.allocate_shared_memory(gl.int32, [NS, WN, TW], SL3)
@@ -1075,13 +1127,14 @@ if AVAILABLE:
         TW: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
         K_LOAD: gl.constexpr, V_LOAD: gl.constexpr, COPY_ROW: gl.constexpr, COPY_ROW2: gl.constexpr,
         S_ROW2: gl.constexpr, V_SCALE2: gl.constexpr, OFF64: gl.constexpr, STAGES: gl.constexpr,
-        F16: gl.constexpr, PAIR: gl.constexpr, KG8: gl.constexpr, QVEC: gl.constexpr,
+        F16: gl.constexpr, PAIR: gl.constexpr, KG8: gl.constexpr, QVEC: gl.constexpr, KG16: gl.constexpr = False,
     ):
         D: gl.constexpr = 128
         WN: gl.constexpr = 4
         NG: gl.constexpr = 4  # groups of 32 per vector
         gl.static_assert(PAIR == 0 or STAGES == 4, "tile pairs need the 4-tile ring (pair_min_tiles)")
         gl.static_assert(not KG8 or (STAGES > 0 and K_KO == 0), "key groups of 8: the ring, no key slots")
+        gl.static_assert(not KG16 or STAGES > 0, "key groups of 16: the ring")
         NH: gl.constexpr = 8
         h = gl.program_id(0)
         b = gl.program_id(1)
@@ -1120,8 +1173,8 @@ if AVAILABLE:
             # that the loop's barrier already orders them. Whole tile j sits in set j % 2, stage
             # (j // 2) % (STAGES // 2); the partial tile (attended first) in whole tile STAGES - 1's slot.
             # Tile pairs: set q % 2 holds whole tiles 2q (stage 0) and 2q + 1 (stage 1), attended as pair q
-            set0 = _ring_set(STAGES // 2, WN, TW, K_KO, KG8)
-            set1 = _ring_set(STAGES // 2, WN, TW, K_KO, KG8)
+            set0 = _ring_set(STAGES // 2, WN, TW, K_KO, KG8, KG16)
+            set1 = _ring_set(STAGES // 2, WN, TW, K_KO, KG8, KG16)
             shifts = (8 * t_k, ((r_s * H + h) & 3) * 8, 8 * (g_v // 2))
             w_c = gl.expand_dims(gl.arange(0, WN, layout=gl.SliceLayout(1, COPY_ROW)), 1)
             r_c = gl.expand_dims(gl.arange(0, TW, layout=gl.SliceLayout(0, COPY_ROW)), 0)
@@ -1272,14 +1325,18 @@ if AVAILABLE:
 
 def unsupported(query, k_pages, v_pages, formats, block_size: int, num_stages: int | None = None) -> str | None:
     """Why this kernel cannot run a decode (None: it can). Its scope: head_dim 128, K groups of 32 with 0
-    or 4 key outlier slots or K groups of 8 without (on the cp.async ring: num_stages not 0), V groups of
-    32 without slots, at most 8 query heads per KV head, pages of a multiple of the warp tile, page arrays
-    aligned to 4 bytes; Gluon, on CUDA sm_80+."""
+    or 4 key outlier slots or K groups of 8 without (on the cp.async ring: num_stages not 0), K groups of 16
+    with 0 or 4 slots on the ring while KEY_GROUPS_OF_16, V groups of 32 without slots, at most 8 query heads
+    per KV head, pages of a multiple of the warp tile, page arrays aligned to 4 bytes; Gluon, on CUDA sm_80+."""
     num_kv_heads, head_dim = k_pages.codes.shape[2], query.shape[-1]
     if head_dim != 128:
         return f"head_dim {head_dim} (needs 128)"
-    if formats[0].group(head_dim) not in (8, 32) or formats[1].group(head_dim) != 32:
-        return "groups other than 32 (or 8 for keys)"
+    if formats[0].group(head_dim) == 16 and not KEY_GROUPS_OF_16:
+        return "key groups of 16 (the KG16 build is off: KEY_GROUPS_OF_16)"
+    if formats[0].group(head_dim) not in (8, 16, 32) or formats[1].group(head_dim) != 32:
+        return "groups other than 32 (or 8 or 16 for keys)"
+    if formats[0].group(head_dim) == 16 and num_stages == 0:
+        return "key groups of 16 run on the cp.async ring only (num_stages > 0)"
     if formats[1].outliers:
         return "value outlier slots"
     if formats[0].group(head_dim) == 8 and formats[0].outliers:
@@ -1332,6 +1389,11 @@ def _key_groups_of_8(k_pages) -> bool:
     return k_pages.scales.shape[-1] == 16
 
 
+def _key_groups_of_16(k_pages) -> bool:
+    """Whether K pages hold key groups of 16 (8 scale bytes per head_dim-128 vector): the KG16 build."""
+    return k_pages.scales.shape[-1] == 8
+
+
 class Launch:
     """One decode's arguments for _decode_fp4_gluon_kernel, built once: programs_per_sm() compiles it
     (cached) to size the splits from its registers, run() launches it."""
@@ -1372,8 +1434,11 @@ class Launch:
             raise ValueError("key groups of 8 run on the cp.async ring only (num_stages > 0)")
         if kg8 and k_outliers:
             raise ValueError("key groups of 8 run without key outlier slots")
+        kg16 = _key_groups_of_16(k_pages)
+        if kg16 and stages == 0:
+            raise ValueError("key groups of 16 run on the cp.async ring only (num_stages > 0)")
         self.constexprs = dict(
-            H=num_kv_heads, GROUP=group, BS=bs, K_KO=k_outliers, TW=TW, KG8=kg8,
+            H=num_kv_heads, GROUP=group, BS=bs, K_KO=k_outliers, TW=TW, KG8=kg8, KG16=kg16,
             OFF64=max(k_pages.codes.numel(), v_pages.codes.numel()) >= 2 ** 31, **_layouts_cached(),
             STAGES=stages, F16=F16_DEFAULT if fp16 is None else fp16,
             PAIR=pair, QVEC=QUERY_VECTOR,
@@ -1474,6 +1539,12 @@ PLAN_PROGRAMS_PER_SM = 4
 # rows for the 8B shape (0.97-1.16x) and 15 of 16 for 70B at TP 8 (0.98-1.10x); docs/history.md,
 # docs/history.md, the fp4 kernel's fourth pass.
 STAGES = 4
+# Key groups of 16 (8 key scale bytes per head_dim-128 vector, with 0 or 4 key outlier slots: the accuracy
+# option of bench/RESULTS.md "KV quality", +0.041 nats per token on SmolLM2 against the default's +0.051) on
+# this kernel, the KG16 build: its scale rows copied as key groups of 8's are (_copy_rows4), each thread's two
+# scales picked out of its word (_read_k). It compiles for sm_90 (Triton 3.6 and 3.9) but has not run on a GPU
+# yet: until tests/test_kernels_gluon.py's KG16 tests pass there, those pages keep the Triton fp4 kernel.
+KEY_GROUPS_OF_16 = False
 # Keys and values through fp16 MMAs, the codes widened by the hardware's E4M3 -> fp16 conversion
 # (_K16_UNPACK_PTX, _V16_UNPACK_PTX: 36.6 loop instructions per (token, KV head) for the 8B shape), or
 # through bf16 MMAs on bf16 bit arithmetic (paged._FP4_UNPACK_BODY: 38.6). On the H200 fp16 was 1-8%
