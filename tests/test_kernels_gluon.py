@@ -43,6 +43,25 @@ def _moved(pages, field, offset):
     return type(pages)(*pages[:field], moved, *pages[field + 1:])
 
 
+def _in_scope_case(kv_heads, group, formats, seed):
+    """Pages of SEQ_LENS in `formats`, a query and the lengths, on the GPU: a case this kernel takes."""
+    table, kp, vp = cuda_fp4_pages(SEQ_LENS, kv_heads, 16, formats, seed=seed)
+    query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
+    assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) is None
+    return table, kp, vp, query, torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
+
+
+def _matches_references(out, query, kp, vp, table, lens, formats):
+    """out (a Gluon decode over SEQ_LENS) within 1e-2 of float32 attention over the same pages and of the Triton
+    fp4 kernel's result; returns the float32 reference."""
+    ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
+    assert worst_rel_err(out, ref) < 1e-2
+    triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
+                                  options=DecodeOptions(kernel="fp4"))
+    assert worst_rel_err(out, triton_out) < 1e-2
+    return ref
+
+
 def _cpu_launch(group=4, kv_heads=2, seqs=2, pages=None, **kw):
     """The launcher's decisions (Launch.constexprs etc.) for `seqs` sequences on CPU tensors: nothing is
     compiled or launched."""
@@ -251,18 +270,11 @@ SEQ_LENS = [1, 15, 16, 17, 63, 64, 65, 1025, 1027, 4099]
 @pytest.mark.parametrize("stages", [decode_fp4_gluon.STAGES, 0])
 def test_matches_reference_on_gpu(kv_heads, group, key_outliers, num_splits, stages):
     formats = (FP4Format(group_size=32, outliers=key_outliers), FP4Format(group_size=32))
-    table, kp, vp = cuda_fp4_pages(SEQ_LENS, kv_heads, 16, formats, seed=kv_heads + group)
-    query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
-    assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) is None
-    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
+    table, kp, vp, query, lens = _in_scope_case(kv_heads, group, formats, kv_heads + group)
     out = torch.full_like(query, float("nan"))
     decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, out=out,
                      options=DecodeOptions(kernel="gluon", num_splits=num_splits, num_stages=stages))
-    ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
-    assert worst_rel_err(out, ref) < 1e-2
-    triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
-                                  options=DecodeOptions(kernel="fp4"))
-    assert worst_rel_err(out, triton_out) < 1e-2
+    _matches_references(out, query, kp, vp, table, lens, formats)
 
 
 @on_gpu
@@ -274,18 +286,11 @@ def test_key_groups_of_8_match_reference_on_gpu(kv_heads, group, num_splits):
     Triton fp4 kernel: partial tiles, GQA groupings, one split (long: tile pairs where the group leaves
     padding columns) and seven (short: single tiles)."""
     formats = (FP4Format(group_size=8), FP4Format(group_size=32))
-    table, kp, vp = cuda_fp4_pages(SEQ_LENS, kv_heads, 16, formats, seed=kv_heads + group + 100)
-    query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
-    assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) is None
-    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
+    table, kp, vp, query, lens = _in_scope_case(kv_heads, group, formats, kv_heads + group + 100)
     out = torch.full_like(query, float("nan"))
     decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, out=out,
                      options=DecodeOptions(kernel="gluon", num_splits=num_splits))
-    ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
-    assert worst_rel_err(out, ref) < 1e-2
-    triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
-                                  options=DecodeOptions(kernel="fp4"))
-    assert worst_rel_err(out, triton_out) < 1e-2
+    ref = _matches_references(out, query, kp, vp, table, lens, formats)
     if num_splits is None and group == 4:  # loads into registers: the Triton kernel runs them, or Gluon says why
         stage0 = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
                                   options=DecodeOptions(num_stages=0))
@@ -314,19 +319,12 @@ def test_key_groups_of_16_match_reference_on_gpu(monkeypatch, kv_heads, group, k
 
     monkeypatch.setattr(decode_fp4_gluon, "Launch", Observed)
     formats = (FP4Format(group_size=16, outliers=key_outliers), FP4Format(group_size=32))
-    table, kp, vp = cuda_fp4_pages(SEQ_LENS, kv_heads, 16, formats, seed=kv_heads + group + 200)
-    query = torch.randn(len(SEQ_LENS), kv_heads * group, 128, device="cuda").bfloat16()
-    assert decode_fp4_gluon.unsupported(query, kp, vp, formats, 16) is None
-    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
+    table, kp, vp, query, lens = _in_scope_case(kv_heads, group, formats, kv_heads + group + 200)
     out = torch.full_like(query, float("nan"))
     decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats, out=out,
                      options=DecodeOptions(num_splits=num_splits))
     assert ran == [(True, key_outliers)]
-    ref = decode_attention_ref(query, kp, vp, table, lens, 128 ** -0.5, formats)
-    assert worst_rel_err(out, ref) < 1e-2
-    triton_out = decode_attention(query, kp, vp, table, lens, 128 ** -0.5, max(SEQ_LENS), formats,
-                                  options=DecodeOptions(kernel="fp4"))
-    assert worst_rel_err(out, triton_out) < 1e-2
+    _matches_references(out, query, kp, vp, table, lens, formats)
 
 
 @on_gpu
