@@ -84,8 +84,8 @@ def main() -> None:
         table, nb = shuffled_tables(batch, ctx, gen)
         sl = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
         q = torch.randn(batch, hq, HEAD_DIM, device=DEV).bfloat16()
-        # as kernel_timings: K and V separate tensors (one tensor as both can serve the second read from L2), the fastest
-        # backend
+        # as kernel_timings: K and V separate tensors (one tensor as both can serve the second read from L2),
+        # the fastest backend
         k = torch.randn(batch, hk, ctx, HEAD_DIM, device=DEV).bfloat16()
         v = torch.randn_like(k)
         sdpa_ms, backend = best_sdpa(q.unsqueeze(2), k, v)
@@ -113,8 +113,8 @@ def main() -> None:
                 json.dump(results, f, indent=1)
     print("\nmodel ctx batch format | splits (launched) | full us | kernel only us | merge us | SDPA us")
     for r in results["rows"]:
-        print(f"{r['model']} {r['ctx']} {r['batch']} {r['format']} | {r['splits']} ({r['launched']}) | {r['full_us']} | "
-              f"{r['kernel_only_us']} | {r['merge_us']} | {r['sdpa_us']}")
+        print(f"{r['model']} {r['ctx']} {r['batch']} {r['format']} | {r['splits']} ({r['launched']}) | "
+              f"{r['full_us']} | {r['kernel_only_us']} | {r['merge_us']} | {r['sdpa_us']}")
 
 
 if __name__ == "__main__":

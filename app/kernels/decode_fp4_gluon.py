@@ -132,32 +132,34 @@ try:  # Gluon ships with Triton >= 3.5; without it decode_attention uses the Tri
         """An unswizzled row-major shared layout of rank dims."""
         return gl.SwizzledSharedLayout(1, 1, 1, list(range(rank - 1, -1, -1)))
 
+    @constexpr_function
+    def _dims(dims, extra=0):
+        """A shape as one constexpr (what a jit function cannot build from a list and pass on): dims (a shape or
+        a tuple of dims) and extra if not 0."""
+        out = [getattr(d, "value", d) for d in dims] + [getattr(extra, "value", extra)]
+        return [d for d in out if d]
+
     if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton 3.9's name; 3.6 has _reinterpret
 
         @gluon.jit
-        def _reinterpret(buf, layout: gl.constexpr):
-            return buf.reinterpret(buf.dtype, buf.shape, layout)
-
-        @gluon.jit
-        def _reshaped(buf, d0: gl.constexpr, d1: gl.constexpr, d2: gl.constexpr, d3: gl.constexpr = 0):
-            """An unswizzled row-major array viewed as [d0, d1, d2] (or [.., d3]) in the same row-major order."""
-            if d3 == 0:
-                return buf.reinterpret(buf.dtype, [d0, d1, d2], _row_major(3))
-            else:
-                return buf.reinterpret(buf.dtype, [d0, d1, d2, d3], _row_major(4))
+        def _view(buf, shape: gl.constexpr, layout: gl.constexpr):
+            return buf.reinterpret(buf.dtype, shape, layout)
     else:
 
         @gluon.jit
-        def _reinterpret(buf, layout: gl.constexpr):
-            return buf._reinterpret(buf.dtype, buf.shape, layout)
+        def _view(buf, shape: gl.constexpr, layout: gl.constexpr):
+            return buf._reinterpret(buf.dtype, shape, layout)
 
-        @gluon.jit
-        def _reshaped(buf, d0: gl.constexpr, d1: gl.constexpr, d2: gl.constexpr, d3: gl.constexpr = 0):
-            """An unswizzled row-major array viewed as [d0, d1, d2] (or [.., d3]) in the same row-major order."""
-            if d3 == 0:
-                return buf._reinterpret(buf.dtype, [d0, d1, d2], _row_major(3))
-            else:
-                return buf._reinterpret(buf.dtype, [d0, d1, d2, d3], _row_major(4))
+    @gluon.jit
+    def _reinterpret(buf, layout: gl.constexpr):
+        """buf in another shared layout, same shape."""
+        return _view(buf, _dims(buf.shape), layout)
+
+    @gluon.jit
+    def _reshaped(buf, d0: gl.constexpr, d1: gl.constexpr, d2: gl.constexpr, d3: gl.constexpr = 0):
+        """An unswizzled row-major array viewed as [d0, d1, d2] (or [.., d3]) in the same row-major order."""
+        shape: gl.constexpr = _dims((d0, d1, d2), d3)
+        return _view(buf, shape, _row_major(len(shape)))
 
     AVAILABLE = True
     # A pair's two tiles as one copy per array (_copy_pair) where the Membar pass would put a barrier between
@@ -607,11 +609,8 @@ if AVAILABLE:
         else:
             iw = ek
             vw = ek
-        if KSR == 4:
-            words4, m4 = _copy_rows4(n0, n0, bt_row, h, BS, H, TW, OFF64, False)
-            pks = k1.to(i32) + words4
-        elif KSR == 5:
-            words4, m4 = _copy_rows4(n0, n0, bt_row, h, BS, H, TW, OFF64, False, True)
+        if KSR > 3:  # key groups of 8 or 16: a scale word per thread t
+            words4, m4 = _copy_rows4(n0, n0, bt_row, h, BS, H, TW, OFF64, False, KSR == 5)
             pks = k1.to(i32) + words4
         else:
             pks = k1.to(i32) + rows_c
@@ -663,14 +662,13 @@ if AVAILABLE:
         kc = bkc.index(stage).load(K_LOAD)
         KL3: gl.constexpr = gl.SliceLayout(3, K_LOAD)
         KR: gl.constexpr = _key_scale_rows(bks.shape, bkc.shape[2])
-        if KR == 4:  # key groups of 8: word t holds the scale bytes of code words 0-3 of thread t
+        if KR > 3:  # code word w of thread t (K_LOAD's last dim)
             bw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, K_LOAD))))
             bw = gl.expand_dims(gl.expand_dims(gl.expand_dims(bw, 0), 1), 2)  # [1, 1, 1, 4]
+        if KR == 4:  # key groups of 8: word t holds the scale bytes of code words 0-3 of thread t
             ks = (gl.expand_dims(bks.index(stage).load(KL3), 3) >> (8 * bw)) & 255
         elif KR == 5:  # key groups of 16: word t holds scale bytes 4 (t // 2).. (_copy_rows4), and code word w of
             # thread t (dims 32 t + 8 w..) is in group 2 t + w // 2: byte 2 (t % 2) + w // 2 of the word
-            bw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, K_LOAD))))
-            bw = gl.expand_dims(gl.expand_dims(gl.expand_dims(bw, 0), 1), 2)  # [1, 1, 1, 4]
             bt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL3)))
             bt = gl.expand_dims(gl.expand_dims(gl.expand_dims(bt, 0), 1), 3)  # [1, 1, 4, 1]
             words = _reshaped(bks.index(stage), bks.shape[1], bks.shape[2] // 4, 4).load(KL3)
