@@ -2,9 +2,12 @@
 a step's layers in one CUDA graph; per layer = replay / layers. Each page format (bf16, fp8, fp4, fp8 keys with
 fp4 values) at the launch the rule picks (`store_kv`'s default block_r and num_warps) and at other
 (rows per program, warps) builds, alternated over --rounds, best of each. The pages each build writes are
-compared with the rule's (bytes equal) so a faster build is a drop-in.
+compared with the rule's (bytes equal) so a faster build is a drop-in. --modules name=path,... times other
+versions of app/kernels/store_kv.py beside this tree's (each build of each, alternated; labels "name:build").
 
     python3 experiments/store_small.py [--tokens 8,32,64,128,512] [--layers 32] [--rounds 3] [--json F]
+    git show REV:app/kernels/store_kv.py > /tmp/store_old.py
+    python3 experiments/store_small.py --modules old=/tmp/store_old.py --builds rule
 
 Inputs as the engine passes them: K and V are views of one fused QKV projection output (Llama-3.1-8B: 32
 query and 8 KV heads of 128), bf16, slots scattered over the layer's pages, the non-finite flag buffer on.
@@ -13,6 +16,7 @@ query and 8 KV heads of 128), bf16, slots scattered over the layer's pages, the 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -27,8 +31,8 @@ from app.kernels.store_kv import store_kv  # noqa: E402
 
 Q_HEADS, KV_HEADS = 32, 8
 NUM_BLOCKS = 1024
-BUILDS = {"rule": (None, 4), "r1w1": (1, 1), "r2w1": (2, 1), "r4w1": (4, 1), "r8w1": (8, 1), "r4w2": (4, 2),
-          "r8w2": (8, 2), "r8w4": (8, 4), "r16w4": (16, 4)}
+BUILDS = {"rule": (None, 4), "r1w1": (1, 1), "r2w1": (2, 1), "r4w1": (4, 1), "r8w1": (8, 1), "r2w2": (2, 2),
+          "r4w2": (4, 2), "r8w2": (8, 2), "r4w4": (4, 4), "r8w4": (8, 4), "r16w4": (16, 4)}
 KINDS = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8"), "fp4": ("fp4", "fp4"), "fp8-fp4": ("fp8", "fp4")}
 
 
@@ -41,6 +45,14 @@ def page_tensors(pages) -> list[torch.Tensor]:
     return [t for t in paged.page_args(pages)]
 
 
+def load_store(name: str, path: str):
+    """store_kv of another version of app/kernels/store_kv.py (a file), imported under its own name."""
+    spec = importlib.util.spec_from_file_location(f"store_kv_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.store_kv
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="8,32,64,128,512")
@@ -48,11 +60,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--builds", default=",".join(BUILDS))
+    ap.add_argument("--modules", default="", help="name=path,...: other versions of app/kernels/store_kv.py")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    stores = {"": store_kv}
+    for item in filter(None, args.modules.split(",")):
+        name, path = item.split("=", 1)
+        stores[f"{name}:"] = load_store(name, path)
     results = {**run_info(layers=args.layers), "rows": []}
     gen = torch.Generator(device=DEV).manual_seed(0)
-    builds = {b: BUILDS[b] for b in args.builds.split(",")}
+    builds = {f"{m}{b}": (fn, *BUILDS[b]) for m, fn in stores.items() for b in args.builds.split(",")}
     for kind in args.kinds.split(","):
         k_kind, v_kind = KINDS[kind]
         fmts = (FORMATS[0] if k_kind == "fp4" else None, FORMATS[1] if v_kind == "fp4" else None)
@@ -64,25 +81,25 @@ def main() -> None:
             slots = torch.randperm(NUM_BLOCKS * BLOCK, device=DEV, generator=gen)[:tokens]
             flags = torch.zeros(tokens, dtype=torch.int32, device=DEV)
 
-            def step(block_r, warps):
+            def step(store, block_r, warps):
                 for kp, vp in layers:
-                    store_kv(k, v, slots, kp, vp, fmts, block_r=block_r, num_warps=warps, nonfinite=flags)
+                    store(k, v, slots, kp, vp, fmts, block_r=block_r, num_warps=warps, nonfinite=flags)
 
-            def first_layer(block_r, warps) -> list[torch.Tensor]:
+            def first_layer(store, block_r, warps) -> list[torch.Tensor]:
                 # layer 0's pages from zero after one step of this build
                 kp, vp = layers[0]
                 for t in page_tensors(kp) + page_tensors(vp):
                     t.zero_()
-                step(block_r, warps)
+                step(store, block_r, warps)
                 return [t.clone() for t in page_tensors(kp) + page_tensors(vp)]
 
-            ref = first_layer(*BUILDS["rule"])
+            ref = first_layer(store_kv, *BUILDS["rule"])
             equal = {name: all(torch.equal(a, b) for a, b in zip(ref, first_layer(*build)))
                      for name, build in builds.items()}
             best = {n: float("inf") for n in builds}
             for _ in range(args.rounds):
-                for name, (block_r, warps) in builds.items():
-                    best[name] = min(best[name], bench(lambda: step(block_r, warps)))
+                for name, build in builds.items():
+                    best[name] = min(best[name], bench(lambda: step(*build)))
             row = {"kind": kind, "tokens": tokens, "rows": tokens * KV_HEADS,
                    **{f"{n}_us_per_layer": round(1e3 * ms / args.layers, 3) for n, ms in best.items()},
                    "bytes_equal_to_rule": equal}

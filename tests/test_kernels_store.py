@@ -6,9 +6,12 @@ does not own (and padding slots, -1) must keep their poison.
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from app.kernels import fp4
 from app.kernels.attention_ref import dequantize_pages
-from app.kernels.store_kv import store_kv, store_kv_ref
+from app.kernels.store_kv import _e2m1_code, _e2m1_round, store_kv, store_kv_ref
 from kernels_testing import FORMATS, interpreted, keys_like_llama, page_bits, poison, random_pages
 
 
@@ -86,3 +89,37 @@ def test_store_checks_its_inputs():
         store_kv(key, value, slots, k_pages, v_pages)
     with pytest.raises(AssertionError, match="hold 2 heads x 64, K/V have 2 x 32"):
         store_kv(key[..., :32], value[..., :32], slots, k_pages, v_pages, formats)
+
+
+@triton.jit
+def _round_and_code_kernel(x_ptr, val_ptr, code_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    v = _e2m1_round(tl.load(x_ptr + i, mask=mask, other=0.0))
+    tl.store(val_ptr + i, v, mask=mask)
+    tl.store(code_ptr + i, _e2m1_code(v), mask=mask)
+
+
+def _edge_floats() -> torch.Tensor:
+    """Every E2M1 value and midpoint, their float32 neighbours within 3 ulps, the binades' edges, values far
+    past 6, subnormals and zeros, both signs, and a log-uniform sweep of 1e-8 .. 1e8."""
+    points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0,
+                           12.0, 16.0, 1e30, 3.0e38, 1e-45, 1e-40, 1.17549435e-38])
+    bits = points.view(torch.int32)
+    near = torch.cat([(bits + d).view(torch.float32) for d in range(-3, 4)])
+    near = near[near.isfinite() & (near >= 0)]
+    sweep = 10 ** torch.linspace(-8, 8, 20001)
+    x = torch.cat([near, sweep])
+    return torch.cat([x, -x])
+
+
+@interpreted
+def test_e2m1_rounding_gives_the_reference_codes():
+    """The store's add-and-subtract rounding to the E2M1 grid against fp4.e2m1_encode / e2m1_decode, which
+    define the codes: the value and the code of every float32 near the grid's points and edges."""
+    x = _edge_floats()
+    val, code = torch.empty_like(x), torch.empty(x.shape, dtype=torch.int32)
+    _round_and_code_kernel[(triton.cdiv(x.numel(), 1024),)](x, val, code, x.numel(), BLOCK=1024)
+    want = fp4.e2m1_encode(x)
+    assert torch.equal(code, want.to(torch.int32)), x[code != want.to(torch.int32)][:8]
+    assert torch.equal(val.abs(), fp4.e2m1_decode(want).abs())

@@ -6,8 +6,9 @@ defines it) and writes them to row slot * H + head of every page array (paged.py
 
 fp4 follows fp4_quantize step by step, in float32 without fused multiply-adds and with IEEE
 division, so it writes the same bits (among outlier candidates of equal magnitude both take the
-lowest index first), with two documented exceptions that only move a value between two equally
-valid encodings:
+lowest index first; each candidate scale's values are rounded onto the E2M1 grid by an add and a
+subtract (_e2m1_round, equal to the reference's encode-then-decode) and only the winner's are encoded),
+with two documented exceptions that only move a value between two equally valid encodings:
   * the scale search sums squared errors in another order, so two candidate scales whose errors
     agree to float32 rounding may be chosen differently;
   * the second-level exponent is ceil(log2(y)) computed exactly from y's bits; torch's float log2
@@ -41,13 +42,25 @@ def _e4m3_encode(v):
 
 
 @triton.jit
-def _e2m1_encode(v):
-    """float32 -> E2M1 code (int32 0..15): nearest, ties to even, saturating at 6, like fp4.e2m1_encode."""
+def _e2m1_round(v):
+    """float32 -> the nearest E2M1 value (float32, v's sign), ties to the even code, saturating at 6: the
+    value fp4.e2m1_encode's code decodes to. E2M1 is a float with one mantissa bit, spacing 0.5 below 2,
+    1 in [2, 4), 2 from 4: adding and subtracting 2^23 x the spacing of |v|'s binade rounds |v| to a
+    multiple of it, ties to even (at every E2M1 midpoint the even multiple is the even code)."""
     a = tl.abs(v)
-    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-            + (a > 5.0).to(tl.int32))
-    return tl.where((v < 0) & (code > 0), code | 8, code)
+    binade = tl.minimum(tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127), 129)  # 2^0 .. 2^2
+    magic = ((binade + 22) << 23).to(tl.float32, bitcast=True)  # 2^23 x spacing (spacing 2^(binade-128))
+    r = tl.minimum((a + magic) - magic, 6.0)
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _e2m1_code(r):
+    """An E2M1 value (float32, as _e2m1_round returns) -> its code (int32 0..15, sign bit 3 when r < 0)."""
+    a = tl.abs(r)
+    bits = a.to(tl.int32, bitcast=True)
+    mag = tl.where(a < 1.0, (a * 2.0).to(tl.int32), (((bits >> 23) - 126) << 1) | ((bits >> 22) & 1))
+    return tl.where(r < 0, mag | 8, mag)
 
 
 @triton.jit
@@ -60,17 +73,18 @@ def _ceil_log2(y):
 
 
 @triton.jit
-def _try_scale(xn, amax_n, target: tl.constexpr, best_err, best_sc, best_code):
-    """Scale each group's amax to `target`; keep, per group, the candidate with the lowest squared error."""
+def _try_scale(xn, amax_n, target: tl.constexpr, best_err, best_sc, best_val):
+    """Scale each group's amax to `target`; keep, per group, the candidate with the lowest squared error
+    (its scale code and its values on the E2M1 grid: the codes are taken once, from the winner's values)."""
     sc = _e4m3_encode(tl.maximum(tl.math.div_rn(amax_n, target), 0.015625))  # never subnormal (fp4.py)
     dec = paged.e4m3_to_f32(sc)
     safe = tl.where(dec > 0, dec, 1.0)[:, :, None]
-    code = _e2m1_encode(tl.math.div_rn(xn, safe))
-    diff = paged.e2m1_to_f32(code) * safe - xn
+    val = _e2m1_round(tl.math.div_rn(xn, safe))
+    diff = val * safe - xn
     err = tl.sum(diff * diff, 2)
     better = err < best_err
     return (tl.where(better, err, best_err), tl.where(better, sc, best_sc),
-            tl.where(better[:, :, None], code, best_code))
+            tl.where(better[:, :, None], val, best_val))
 
 
 @triton.jit
@@ -112,15 +126,15 @@ def _store_fp4(x, prow, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: tl.conste
     amax_n = tl.math.div_rn(amax, second[:, None])
     best_err = tl.full([R, NG], float("inf"), tl.float32)
     best_sc = tl.zeros([R, NG], tl.int32)
-    best_code = tl.zeros([R, NG, G], tl.int32)
-    best_err, best_sc, best_code = _try_scale(xn, amax_n, T0, best_err, best_sc, best_code)
+    best_val = tl.zeros([R, NG, G], tl.float32)
+    best_err, best_sc, best_val = _try_scale(xn, amax_n, T0, best_err, best_sc, best_val)
     if NT > 1:
-        best_err, best_sc, best_code = _try_scale(xn, amax_n, T1, best_err, best_sc, best_code)
+        best_err, best_sc, best_val = _try_scale(xn, amax_n, T1, best_err, best_sc, best_val)
     if NT > 2:
-        best_err, best_sc, best_code = _try_scale(xn, amax_n, T2, best_err, best_sc, best_code)
+        best_err, best_sc, best_val = _try_scale(xn, amax_n, T2, best_err, best_sc, best_val)
     if NT > 3:
-        best_err, best_sc, best_code = _try_scale(xn, amax_n, T3, best_err, best_sc, best_code)
-    even, odd = tl.split(tl.reshape(best_code, (R, D // 2, 2)))
+        best_err, best_sc, best_val = _try_scale(xn, amax_n, T3, best_err, best_sc, best_val)
+    even, odd = tl.split(tl.reshape(_e2m1_code(best_val), (R, D // 2, 2)))
     col = tl.arange(0, D // 2)
     j = tl.arange(0, NG)
     tl.store(p0 + prow[:, None] * (D // 2) + col[None, :], (even | (odd << 4)).to(tl.uint8), mask=valid[:, None])
