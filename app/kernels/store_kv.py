@@ -121,9 +121,11 @@ def _store_fp4(x, prow, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: tl.conste
     top = tl.math.div_rn(tl.max(amax, 1), MIN_T)  # [R]
     exp = tl.minimum(tl.maximum(_ceil_log2(tl.math.div_rn(top, 448.0)), -126), 127)
     exp = tl.where(top > 0, exp, -127)
-    second = tl.where(exp > -127, ((exp + 127) << 23).to(tl.float32, bitcast=True), 1.0)
-    xn = tl.math.div_rn(xg, second[:, None, None])
-    amax_n = tl.math.div_rn(amax, second[:, None])
+    # 1 / the second-level scale, exactly (a power of two, normal: targets >= 0.5 keep exp <= 121), so that
+    # multiplying by it rounds as dividing by the scale does
+    inv_second = tl.where(exp > -127, ((127 - exp) << 23).to(tl.float32, bitcast=True), 1.0)
+    xn = xg * inv_second[:, None, None]
+    amax_n = amax * inv_second[:, None]
     best_err = tl.full([R, NG], float("inf"), tl.float32)
     best_sc = tl.zeros([R, NG], tl.int32)
     best_val = tl.zeros([R, NG, G], tl.float32)
