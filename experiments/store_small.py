@@ -1,6 +1,6 @@
 """store_kv as a decode step runs it: a few (token, KV head) vectors per layer, one launch per layer, all of
 a step's layers in one CUDA graph; per layer = replay / layers. Each page format (bf16, fp8, fp4, fp8 keys with
-fp4 values) at the launch the rule picks (`store_kv`'s default block_r and num_warps) and at other
+fp4 values) at the launch the rule picks (`store_kv.launch_for`) and at other
 (rows per program, warps) builds, alternated over --rounds, best of each. The pages each build writes are
 compared with the rule's (bytes equal) so a faster build is a drop-in. --modules name=path,... times other
 versions of app/kernels/store_kv.py beside this tree's (each build of each, alternated; labels "name:build").
@@ -31,7 +31,7 @@ from app.kernels.store_kv import store_kv  # noqa: E402
 
 Q_HEADS, KV_HEADS = 32, 8
 NUM_BLOCKS = 1024
-BUILDS = {"rule": (None, 4), "r1w1": (1, 1), "r2w1": (2, 1), "r4w1": (4, 1), "r8w1": (8, 1), "r2w2": (2, 2),
+BUILDS = {"rule": (None, None), "r1w1": (1, 1), "r2w1": (2, 1), "r4w1": (4, 1), "r8w1": (8, 1), "r2w2": (2, 2),
           "r4w2": (4, 2), "r8w2": (8, 2), "r4w4": (4, 4), "r8w4": (8, 4), "r16w4": (16, 4)}
 KINDS = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8"), "fp4": ("fp4", "fp4"), "fp8-fp4": ("fp8", "fp4")}
 
@@ -82,8 +82,9 @@ def main() -> None:
             flags = torch.zeros(tokens, dtype=torch.int32, device=DEV)
 
             def step(store, block_r, warps):
+                launch = {"block_r": block_r, "num_warps": warps} if block_r else {}  # "rule": the version's own
                 for kp, vp in layers:
-                    store(k, v, slots, kp, vp, fmts, block_r=block_r, num_warps=warps, nonfinite=flags)
+                    store(k, v, slots, kp, vp, fmts, nonfinite=flags, **launch)
 
             def first_layer(store, block_r, warps) -> list[torch.Tensor]:
                 # layer 0's pages from zero after one step of this build

@@ -27,9 +27,18 @@ import triton.language as tl
 from app.kernels import fp4, fp8, paged
 from app.kernels.fp4 import FP4Format
 
-# Stores of more (token, KV head) rows than this (prefill chunks) take 16 rows per program, fewer
-# (decode steps) 4: with few rows, more programs in flight hide fp4's long per-vector chain.
+# Stores of more (token, KV head) rows than this are prefill chunks, fewer decode steps. fp4 is a long
+# dependent chain per vector, so a decode step takes one vector per one-warp program (the most programs in
+# flight, no cross-warp exchange) and a prefill chunk 4 per one-warp program (fewer instructions per vector);
+# bf16 and fp8 pages, a copy or one scale per vector, take 4 / 16 rows per 4-warp program.
 WIDE_ROWS = 4096
+
+
+def launch_for(num_rows: int, fp4_pages: bool) -> tuple[int, int]:
+    """(rows per program, warps per program) of a store of num_rows (token, KV head) vectors."""
+    if fp4_pages:
+        return (1, 1) if num_rows <= WIDE_ROWS else (4, 1)
+    return (4, 4) if num_rows <= WIDE_ROWS else (16, 4)
 
 
 @triton.jit
@@ -73,62 +82,80 @@ def _ceil_log2(y):
 
 
 @triton.jit
+def _sum3(x):
+    """[R, NG, NS, SUB] -> [R]."""
+    return tl.sum(tl.sum(tl.sum(x, 3), 2), 1)
+
+
+@triton.jit
+def _max3(x):
+    """[R, NG, NS, SUB] -> [R]."""
+    return tl.max(tl.max(tl.max(x, 3), 2), 1)
+
+
+@triton.jit
 def _try_scale(xn, amax_n, target: tl.constexpr, best_err, best_sc, best_val):
     """Scale each group's amax to `target`; keep, per group, the candidate with the lowest squared error
     (its scale code and its values on the E2M1 grid: the codes are taken once, from the winner's values)."""
     sc = _e4m3_encode(tl.maximum(tl.math.div_rn(amax_n, target), 0.015625))  # never subnormal (fp4.py)
     dec = paged.e4m3_to_f32(sc)
-    safe = tl.where(dec > 0, dec, 1.0)[:, :, None]
+    safe = tl.where(dec > 0, dec, 1.0)[:, :, None, None]
     val = _e2m1_round(tl.math.div_rn(xn, safe))
     diff = val * safe - xn
-    err = tl.sum(diff * diff, 2)
+    err = tl.sum(tl.sum(diff * diff, 3), 2)
     better = err < best_err
     return (tl.where(better, err, best_err), tl.where(better, sc, best_sc),
-            tl.where(better[:, :, None], val, best_val))
+            tl.where(better[:, :, None, None], val, best_val))
 
 
 @triton.jit
-def _store_fp4(x, prow, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+def _store_fp4(x_ptr, off, prow, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                KO: tl.constexpr, ZSCORE: tl.constexpr, Z, MIN_T: tl.constexpr,
                T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, NT: tl.constexpr):
-    """Quantize x [R, D] float32 (one vector per row) and write it to page rows prow [R]."""
+    """Quantize the vectors at element offsets off [R] and write them to page rows prow [R]. A vector is held as
+    [groups, G / SUB, SUB]: a thread's SUB neighbours lie in one group, so that a group's sums and maxima are a
+    few shuffles and each thread computes the scales of its own group only."""
     NG: tl.constexpr = D // G
-    d = tl.arange(0, D)
+    SUB: tl.constexpr = 4 if G >= 4 else G
+    NS: tl.constexpr = G // SUB
+    d = (tl.arange(0, NG)[None, :, None, None] * G + tl.arange(0, NS)[None, None, :, None] * SUB
+         + tl.arange(0, SUB)[None, None, None, :])  # [1, NG, NS, SUB]: the element index
+    x = tl.load(x_ptr + off[:, None, None, None] + d, mask=valid[:, None, None, None], other=0.0).to(tl.float32)
     if KO > 0:
         # outliers: the KO largest |x| (zscore: among |x - mean| > Z * std), largest first
         if ZSCORE:
-            mean = tl.math.div_rn(tl.sum(x, 1), D * 1.0)
-            dev = x - mean[:, None]
-            std = tl.math.sqrt_rn(tl.math.div_rn(tl.sum(dev * dev, 1), D * 1.0))
-            mag = tl.where(tl.abs(dev) > Z * std[:, None], tl.abs(x), -1.0)
+            mean = tl.math.div_rn(_sum3(x), D * 1.0)
+            dev = x - mean[:, None, None, None]
+            std = tl.math.sqrt_rn(tl.math.div_rn(_sum3(dev * dev), D * 1.0))
+            mag = tl.where(tl.abs(dev) > Z * std[:, None, None, None], tl.abs(x), -1.0)
         else:
             mag = tl.abs(x)
         for k in tl.static_range(KO):
-            top = tl.max(mag, 1)
-            idx = tl.argmax(mag, 1, tie_break_left=True)
+            top = _max3(mag)
+            # the lowest index holding the largest magnitude (argmax, ties to the left)
+            idx = tl.min(tl.min(tl.min(tl.where(mag == top[:, None, None, None], d, D), 3), 2), 1)
             if ZSCORE:
                 used = top >= 0
             else:
                 used = top > 0
-            hit = d[None, :] == idx[:, None]
-            val = paged.to_bf16(tl.where(used, tl.sum(tl.where(hit, x, 0.0), 1), 0.0))
+            hit = d == idx[:, None, None, None]
+            val = paged.to_bf16(tl.where(used, _sum3(tl.where(hit, x, 0.0)), 0.0))
             tl.store(p3 + prow * KO + k, val, mask=valid)
             tl.store(p4 + prow * KO + k, tl.where(used, idx, 0).to(tl.uint8), mask=valid)
-            x = tl.where(hit & used[:, None], x - val.to(tl.float32)[:, None], x)
+            x = tl.where(hit & used[:, None, None, None], x - val.to(tl.float32)[:, None, None, None], x)
             mag = tl.where(hit, float("-inf"), mag)
-    xg = tl.reshape(x, (R, NG, G))
-    amax = tl.max(tl.abs(xg), 2)  # [R, NG]
+    amax = tl.max(tl.max(tl.abs(x), 3), 2)  # [R, NG]
     top = tl.math.div_rn(tl.max(amax, 1), MIN_T)  # [R]
     exp = tl.minimum(tl.maximum(_ceil_log2(tl.math.div_rn(top, 448.0)), -126), 127)
     exp = tl.where(top > 0, exp, -127)
     # 1 / the second-level scale, exactly (a power of two, normal: targets >= 0.5 keep exp <= 121), so that
     # multiplying by it rounds as dividing by the scale does
     inv_second = tl.where(exp > -127, ((127 - exp) << 23).to(tl.float32, bitcast=True), 1.0)
-    xn = xg * inv_second[:, None, None]
+    xn = x * inv_second[:, None, None, None]
     amax_n = amax * inv_second[:, None]
     best_err = tl.full([R, NG], float("inf"), tl.float32)
     best_sc = tl.zeros([R, NG], tl.int32)
-    best_val = tl.zeros([R, NG, G], tl.float32)
+    best_val = tl.zeros([R, NG, NS, SUB], tl.float32)
     best_err, best_sc, best_val = _try_scale(xn, amax_n, T0, best_err, best_sc, best_val)
     if NT > 1:
         best_err, best_sc, best_val = _try_scale(xn, amax_n, T1, best_err, best_sc, best_val)
@@ -150,6 +177,9 @@ def _store_one(x_ptr, prow, off, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: 
                MIN_T: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr,
                NT: tl.constexpr):
     d = tl.arange(0, D)
+    if KIND == 2:
+        _store_fp4(x_ptr, off, prow, valid, p0, p1, p2, p3, p4, R, D, G, KO, ZSCORE, Z, MIN_T, T0, T1, T2, T3, NT)
+        return
     x = tl.load(x_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     if KIND == 0:
         if p0.dtype.element_ty == tl.bfloat16 and x.dtype != tl.bfloat16:
@@ -164,9 +194,6 @@ def _store_one(x_ptr, prow, off, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: 
         code = _e4m3_encode(tl.abs(v)) | sign
         tl.store(p0 + prow[:, None] * D + d[None, :], code.to(tl.uint8), mask=valid[:, None])
         tl.store(p1 + prow, scale, mask=valid)
-    else:
-        _store_fp4(x.to(tl.float32), prow, valid, p0, p1, p2, p3, p4, R, D, G, KO, ZSCORE, Z, MIN_T,
-                   T0, T1, T2, T3, NT)
 
 
 @triton.jit
@@ -233,8 +260,8 @@ def store_kv(
     k_pages, v_pages,  # one layer's pages (paged.py)
     formats: tuple[FP4Format | None, FP4Format | None] = (None, None),
     check_finite: bool = True,
-    block_r: int | None = None,
-    num_warps: int = 4,
+    block_r: int | None = None,  # rows per program and warps: launch_for's unless given (benchmarks)
+    num_warps: int | None = None,
     nonfinite: torch.Tensor | None = None,  # [num_tokens] int32
 ) -> None:
     """Write K/V into their slots. With `nonfinite` (the engine's way: no device sync), a (token,
@@ -248,9 +275,8 @@ def store_kv(
         _, _, h, d = paged.check_pages(pages, fmt, name)
         assert (h, d) == (num_kv_heads, head_dim), f"{name} hold {h} heads x {d}, K/V have {num_kv_heads} x {head_dim}"
     num_rows = num_tokens * num_kv_heads
-    # fp4 quantization is a long dependent chain per vector: few vectors per program for a decode
-    # step's handful of tokens (more programs in flight), more for prefill
-    block_r = block_r or (4 if num_rows <= WIDE_ROWS else 16)
+    rule_r, rule_warps = launch_for(num_rows, paged.FP4 in (paged.page_kind(k_pages), paged.page_kind(v_pages)))
+    block_r, num_warps = block_r or rule_r, num_warps or rule_warps
     assert paged.is_pow2(head_dim) and paged.is_pow2(block_r), f"head_dim {head_dim} and block_r must be powers of two"
     if num_tokens == 0:
         return
