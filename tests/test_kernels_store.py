@@ -15,11 +15,14 @@ from app.kernels.store_kv import _e2m1_code, _e2m1_round, store_kv, store_kv_ref
 from kernels_testing import FORMATS, interpreted, keys_like_llama, page_bits, poison, random_pages
 
 
-def _stored(name, key, value, slots, num_blocks, block_size, kernel: bool):
+def _stored(name, key, value, slots, num_blocks, block_size, kernel: bool, **launch):
     num_kv_heads, head_dim = key.shape[1:]
     k_pages, v_pages, formats = random_pages(name, num_blocks, block_size, num_kv_heads, head_dim)
     poison(k_pages), poison(v_pages)
-    (store_kv if kernel else store_kv_ref)(key, value, slots, k_pages, v_pages, formats)
+    if kernel:
+        store_kv(key, value, slots, k_pages, v_pages, formats, **launch)
+    else:
+        store_kv_ref(key, value, slots, k_pages, v_pages, formats)
     return k_pages, v_pages, formats
 
 
@@ -47,6 +50,20 @@ def test_store_writes_the_reference_bits(name, head_dim, block_size):
         for a, b in zip(page_bits(pages_got), page_bits(pages_want)):
             assert torch.equal(a, b)
 
+
+
+@pytest.mark.parametrize("name", ["fp4", "fp4-zscore", "fp4-kg8"])
+@pytest.mark.parametrize("block_r,num_warps", [(1, 1), (4, 1), (2, 2)])
+@interpreted
+def test_every_store_build_writes_the_reference_bits(name, block_r, num_warps):
+    """The builds launch_for picks on a GPU (the interpreter takes the widest): one vector per one-warp
+    program (decode steps), four (prefill chunks), and one that spreads a program's vectors over two warps."""
+    key, value, slots = _case(19, 2, 128, 5, 16, torch.bfloat16, seed=3)
+    got = _stored(name, key, value, slots, 5, 16, kernel=True, block_r=block_r, num_warps=num_warps)
+    want = _stored(name, key, value, slots, 5, 16, kernel=False)
+    for pages_got, pages_want in zip(got[:2], want[:2]):
+        for a, b in zip(page_bits(pages_got), page_bits(pages_want)):
+            assert torch.equal(a, b)
 
 def _rows(pages, slots):
     """The vectors of the given slots (the rest of the pages holds poison)."""
