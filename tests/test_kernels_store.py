@@ -4,14 +4,15 @@ fp4 and fp8 must write the same bytes as app/kernels/fp4.py and fp8.py into ever
 does not own (and padding slots, -1) must keep their poison.
 """
 
+import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from app.kernels import fp4
+from app.kernels import fp4, paged
 from app.kernels.attention_ref import dequantize_pages
-from app.kernels.store_kv import _e2m1_code, _e2m1_round, store_kv, store_kv_ref
+from app.kernels.store_kv import _div_by_e4m3, _e2m1_code, _e2m1_round, _e4m3_reciprocal, store_kv, store_kv_ref
 from kernels_testing import FORMATS, interpreted, keys_like_llama, page_bits, poison, random_pages
 
 
@@ -140,3 +141,62 @@ def test_e2m1_rounding_gives_the_reference_codes():
     want = fp4.e2m1_encode(x)
     assert torch.equal(code, want.to(torch.int32)), x[code != want.to(torch.int32)][:8]
     assert torch.equal(val.abs(), fp4.e2m1_decode(want).abs())
+
+
+
+def test_markstein_division_by_e4m3_significands_is_exact():
+    """The store divides by a candidate scale (an E4M3 value) as x * r + one correction by the remainder, with
+    r = RN(1 / s): for every float32 significand of x and each of E4M3's 8 significands this equals IEEE x / s.
+    Emulated in float64: the products are exact there, the remainder must be exact in float32, and no sum may
+    land on a float32 midpoint (where rounding twice could differ from an fma's once)."""
+    x = (np.arange(1 << 23, dtype=np.uint32) | np.uint32(127 << 23)).view(np.float32)  # [1, 2)
+    for m in range(8):
+        s = np.float32(1 + m / 8)
+        r = np.float32(1) / s
+        y = x * r
+        rem64 = x.astype(np.float64) - np.float64(s) * y.astype(np.float64)
+        rem = rem64.astype(np.float32)
+        assert np.array_equal(rem.astype(np.float64), rem64), f"remainder not exact at significand {s}"
+        q64 = y.astype(np.float64) + rem.astype(np.float64) * np.float64(r)
+        q = q64.astype(np.float32)
+        for step in (np.inf, -np.inf):
+            other = np.nextafter(q, np.float32(step)).astype(np.float64)
+            assert not np.any(q64 == (q.astype(np.float64) + other) / 2), f"a midpoint at significand {s}"
+        assert np.array_equal(q, x / s), f"differs from x / s at significand {s}"
+
+
+@triton.jit
+def _divide_kernel(x_ptr, sc_ptr, q_ptr, v_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    x = tl.load(x_ptr + i, mask=mask, other=1.0)
+    sc = tl.load(sc_ptr + i, mask=mask, other=56)
+    q = _div_by_e4m3(x, paged.e4m3_to_f32(sc), _e4m3_reciprocal(sc))
+    tl.store(q_ptr + i, q, mask=mask)
+    tl.store(v_ptr + i, _e2m1_round(q), mask=mask)
+
+
+@interpreted
+def test_store_division_matches_ieee_for_every_scale_code():
+    """_div_by_e4m3 with _e4m3_reciprocal's table against IEEE division, over every normal E4M3 scale code (the
+    candidate scales are clamped to >= 2^-6) and values of every magnitude the store meets: equal for values
+    from 2^-100 up, and rounded onto the E2M1 grid equal everywhere."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.rand(4096, generator=gen) + 1) * torch.exp2(torch.randint(-140, 12, (4096,), generator=gen).float())
+    x = torch.cat([x, -x, torch.tensor([0.0, 1.0, 1.5, 448.0 * 6, 2.0 ** -126])])
+    codes = torch.arange(8, 127, dtype=torch.int32)  # 2^-6 .. 448
+    xs, cs = torch.broadcast_tensors(x[:, None], codes[None, :])
+    xs, cs = xs.contiguous().flatten(), cs.contiguous().flatten()
+    q, v = torch.empty_like(xs), torch.empty_like(xs)
+    _divide_kernel[(triton.cdiv(xs.numel(), 4096),)](xs, cs, q, v, xs.numel(), BLOCK=4096)
+    s = torch.from_numpy(fp4_scale_values(cs.numpy()))
+    ieee = xs / s
+    normal = xs.abs() >= 2.0 ** -100  # below, the remainder may underflow: the quotient is then < 2^-92
+    assert torch.equal(q[normal], ieee[normal])
+    want = fp4.e2m1_decode(fp4.e2m1_encode(ieee))
+    assert torch.equal(v.abs(), want.abs())
+    assert torch.equal(v[v != 0] < 0, ieee[v != 0] < 0)
+
+def fp4_scale_values(codes: np.ndarray) -> np.ndarray:
+    """E4M3 codes -> float32 values (torch's float8_e4m3fn decoding)."""
+    return torch.from_numpy(codes.astype(np.uint8)).view(torch.float8_e4m3fn).float().numpy()

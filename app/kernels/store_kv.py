@@ -75,6 +75,28 @@ def _e2m1_code(r):
 
 
 @triton.jit
+def _e4m3_reciprocal(sc):
+    """E4M3 codes of normal values (exponent field 1..15; sign ignored) -> RN(1 / value) in float32, exactly:
+    RN(1 / (1 + m/8)) for the code's 3 mantissa bits m from a table of bits, its exponent moved by the code's."""
+    m = sc & 7
+    bits = tl.where(m < 4,
+                    tl.where(m < 2, tl.where(m == 0, 0x3F800000, 0x3F638E39), tl.where(m == 2, 0x3F4CCCCD, 0x3F3A2E8C)),
+                    tl.where(m < 6, tl.where(m == 4, 0x3F2AAAAB, 0x3F1D89D9), tl.where(m == 6, 0x3F124925, 0x3F088889)))
+    return (bits + ((7 - ((sc >> 3) & 15)) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _div_by_e4m3(x, s, r):
+    """RN(x / s) for a normal E4M3 value s, given r = RN(1 / s): x * r and one correction by the exact
+    remainder (Markstein), three operations instead of an IEEE division. Equal to x / s for every float32
+    significand of x and every E4M3 significand of s (checked exhaustively, tests/test_kernels_store.py);
+    for |x| below ~2^-100 (the remainder may underflow) the two may differ, but x / s is then far below E2M1's
+    first step, so the value (0) and its error (x) are the same."""
+    y = x * r
+    return tl.fma(tl.fma(-s, y, x), r, y)
+
+
+@triton.jit
 def _ceil_log2(y):
     """ceil(log2(y)) for float32 y > 0, exactly (from the bits; subnormals give <= -126)."""
     bits = y.to(tl.int32, bitcast=True)
@@ -100,10 +122,9 @@ def _try_scale(xn, amax_n, target: tl.constexpr, best_err, best_sc, best_val):
     """Scale each group's amax to `target`; keep, per group, the candidate with the lowest squared error
     (its scale code and its values on the E2M1 grid: the codes are taken once, from the winner's values)."""
     sc = _e4m3_encode(tl.maximum(tl.math.div_rn(amax_n, target), 0.015625))  # never subnormal (fp4.py)
-    dec = paged.e4m3_to_f32(sc)
-    safe = tl.where(dec > 0, dec, 1.0)[:, :, None, None]
-    val = _e2m1_round(tl.math.div_rn(xn, safe))
-    diff = val * safe - xn
+    dec = paged.e4m3_to_f32(sc)[:, :, None, None]  # > 0: sc >= 2^-6, a normal E4M3 value
+    val = _e2m1_round(_div_by_e4m3(xn, dec, _e4m3_reciprocal(sc)[:, :, None, None]))
+    diff = val * dec - xn
     err = tl.sum(tl.sum(diff * diff, 3), 2)
     better = err < best_err
     return (tl.where(better, err, best_err), tl.where(better, sc, best_sc),
