@@ -200,3 +200,24 @@ def test_store_division_matches_ieee_for_every_scale_code():
 def fp4_scale_values(codes: np.ndarray) -> np.ndarray:
     """E4M3 codes -> float32 values (torch's float8_e4m3fn decoding)."""
     return torch.from_numpy(codes.astype(np.uint8)).view(torch.float8_e4m3fn).float().numpy()
+
+
+@interpreted
+def test_scale_targets_off_the_e4m3_grid_write_the_reference_bits():
+    """Targets whose significand is an E4M3 one (the default 6, 5, 4.5, 4) are divided by through their
+    reciprocal; others (4.25, 3.3) through an IEEE division: both write the reference's bits."""
+    from app.kernels.fp4 import FP4Format
+    from app.kernels.store_kv import _target_reciprocal
+
+    formats = (FP4Format(group_size=32, outliers=4, scale_targets=(6.0, 4.25, 3.3)),
+               FP4Format(group_size=16, scale_targets=(5.5, 4.25)))
+    assert [_target_reciprocal(t) > 0 for t in (6.0, 5.0, 4.5, 4.0, 5.5, 4.25, 3.3)] == [True] * 5 + [False] * 2
+    key, value, slots = _case(11, 2, 64, 4, 16, torch.float32, seed=7)
+    pages = []
+    for ref in (False, True):
+        kp, vp = (paged.quantize_pages(torch.zeros(4, 16, 2, 64), "fp4", f) for f in formats)
+        poison(kp), poison(vp)
+        (store_kv_ref if ref else store_kv)(key, value, slots, kp, vp, formats)
+        pages.append(page_bits(kp) + page_bits(vp))
+    for a, b in zip(*pages):
+        assert torch.equal(a, b)

@@ -4,11 +4,13 @@ A program takes BLOCK_R (token, KV head) vectors of K and of V, quantizes each i
 format (bf16/fp16 cast, fp8 E4M3 with a float32 scale per vector, or fp4 as app/kernels/fp4.py
 defines it) and writes them to row slot * H + head of every page array (paged.py).
 
-fp4 follows fp4_quantize step by step, in float32 without fused multiply-adds and with IEEE
-division, so it writes the same bits (among outlier candidates of equal magnitude both take the
-lowest index first; each candidate scale's values are rounded onto the E2M1 grid by an add and a
-subtract (_e2m1_round, equal to the reference's encode-then-decode) and only the winner's are encoded),
-with two documented exceptions that only move a value between two equally valid encodings:
+fp4 follows fp4_quantize step by step, in float32 without fused multiply-adds (but the explicit ones of
+_div_by_e4m3) and with correctly rounded division, so it writes the same bits (among outlier candidates of
+equal magnitude both take the lowest index first; each candidate scale's values are rounded onto the E2M1
+grid by an add and a subtract (_e2m1_round, equal to the reference's encode-then-decode) and only the
+winner's are encoded; a division by an E4M3 scale, or by a scale target with an E4M3 significand, is a
+multiply by the reciprocal and one exact correction, proven equal to IEEE division by exhaustion), with two
+documented exceptions that only move a value between two equally valid encodings:
   * the scale search sums squared errors in another order, so two candidate scales whose errors
     agree to float32 rounding may be chosen differently;
   * the second-level exponent is ceil(log2(y)) computed exactly from y's bits; torch's float log2
@@ -118,10 +120,14 @@ def _max3(x):
 
 
 @triton.jit
-def _try_scale(xn, amax_n, target: tl.constexpr, best_err, best_sc, best_val):
+def _try_scale(xn, amax_n, target: tl.constexpr, rcp: tl.constexpr, best_err, best_sc, best_val):
     """Scale each group's amax to `target`; keep, per group, the candidate with the lowest squared error
     (its scale code and its values on the E2M1 grid: the codes are taken once, from the winner's values)."""
-    sc = _e4m3_encode(tl.maximum(tl.math.div_rn(amax_n, target), 0.015625))  # never subnormal (fp4.py)
+    if rcp > 0:  # target's significand is an E4M3 one: x / target in three operations, exactly (_div_by_e4m3)
+        scaled = _div_by_e4m3(amax_n, target, rcp)
+    else:
+        scaled = tl.math.div_rn(amax_n, target)
+    sc = _e4m3_encode(tl.maximum(scaled, 0.015625))  # never subnormal (fp4.py)
     dec = paged.e4m3_to_f32(sc)[:, :, None, None]  # > 0: sc >= 2^-6, a normal E4M3 value
     val = _e2m1_round(_div_by_e4m3(xn, dec, _e4m3_reciprocal(sc)[:, :, None, None]))
     diff = val * dec - xn
@@ -134,7 +140,8 @@ def _try_scale(xn, amax_n, target: tl.constexpr, best_err, best_sc, best_val):
 @triton.jit
 def _store_fp4(x_ptr, off, prow, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                KO: tl.constexpr, ZSCORE: tl.constexpr, Z, MIN_T: tl.constexpr,
-               T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, NT: tl.constexpr):
+               T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, NT: tl.constexpr,
+               R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
     """Quantize the vectors at element offsets off [R] and write them to page rows prow [R]. A vector is held as
     [groups, G / SUB, SUB]: a thread's SUB neighbours lie in one group, so that a group's sums and maxima are a
     few shuffles and each thread computes the scales of its own group only."""
@@ -179,13 +186,13 @@ def _store_fp4(x_ptr, off, prow, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: 
     best_err = tl.full([R, NG], float("inf"), tl.float32)
     best_sc = tl.zeros([R, NG], tl.int32)
     best_val = tl.zeros([R, NG, NS, SUB], tl.float32)
-    best_err, best_sc, best_val = _try_scale(xn, amax_n, T0, best_err, best_sc, best_val)
+    best_err, best_sc, best_val = _try_scale(xn, amax_n, T0, R0, best_err, best_sc, best_val)
     if NT > 1:
-        best_err, best_sc, best_val = _try_scale(xn, amax_n, T1, best_err, best_sc, best_val)
+        best_err, best_sc, best_val = _try_scale(xn, amax_n, T1, R1, best_err, best_sc, best_val)
     if NT > 2:
-        best_err, best_sc, best_val = _try_scale(xn, amax_n, T2, best_err, best_sc, best_val)
+        best_err, best_sc, best_val = _try_scale(xn, amax_n, T2, R2, best_err, best_sc, best_val)
     if NT > 3:
-        best_err, best_sc, best_val = _try_scale(xn, amax_n, T3, best_err, best_sc, best_val)
+        best_err, best_sc, best_val = _try_scale(xn, amax_n, T3, R3, best_err, best_sc, best_val)
     even, odd = tl.split(tl.reshape(_e2m1_code(best_val), (R, D // 2, 2)))
     col = tl.arange(0, D // 2)
     j = tl.arange(0, NG)
@@ -198,10 +205,11 @@ def _store_fp4(x_ptr, off, prow, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: 
 def _store_one(x_ptr, prow, off, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: tl.constexpr,
                KIND: tl.constexpr, G: tl.constexpr, KO: tl.constexpr, ZSCORE: tl.constexpr, Z,
                MIN_T: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr,
-               NT: tl.constexpr):
+               NT: tl.constexpr, R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
     d = tl.arange(0, D)
     if KIND == 2:
-        _store_fp4(x_ptr, off, prow, valid, p0, p1, p2, p3, p4, R, D, G, KO, ZSCORE, Z, MIN_T, T0, T1, T2, T3, NT)
+        _store_fp4(x_ptr, off, prow, valid, p0, p1, p2, p3, p4, R, D, G, KO, ZSCORE, Z, MIN_T, T0, T1, T2, T3, NT,
+                   R0, R1, R2, R3)
         return
     x = tl.load(x_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     if KIND == 0:
@@ -235,8 +243,10 @@ def _store_kv_kernel(
     H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, FLAG: tl.constexpr,
     K_KIND: tl.constexpr, K_G: tl.constexpr, K_KO: tl.constexpr, K_ZSCORE: tl.constexpr, K_MIN_T: tl.constexpr,
     K_T0: tl.constexpr, K_T1: tl.constexpr, K_T2: tl.constexpr, K_T3: tl.constexpr, K_NT: tl.constexpr,
+    K_R0: tl.constexpr, K_R1: tl.constexpr, K_R2: tl.constexpr, K_R3: tl.constexpr,
     V_KIND: tl.constexpr, V_G: tl.constexpr, V_KO: tl.constexpr, V_ZSCORE: tl.constexpr, V_MIN_T: tl.constexpr,
     V_T0: tl.constexpr, V_T1: tl.constexpr, V_T2: tl.constexpr, V_T3: tl.constexpr, V_NT: tl.constexpr,
+    V_R0: tl.constexpr, V_R1: tl.constexpr, V_R2: tl.constexpr, V_R3: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # rows of the flattened [T * H, D] input
     in_range = r < num_rows
@@ -252,9 +262,19 @@ def _store_kv_kernel(
         valid = valid & ~bad
     prow = slot * H + r % H
     _store_one(k_ptr, prow, k_off, valid, k0, k1, k2, k3, k4, BLOCK_R, D, K_KIND, K_G, K_KO, K_ZSCORE, K_Z,
-               K_MIN_T, K_T0, K_T1, K_T2, K_T3, K_NT)
+               K_MIN_T, K_T0, K_T1, K_T2, K_T3, K_NT, K_R0, K_R1, K_R2, K_R3)
     _store_one(v_ptr, prow, v_off, valid, v0, v1, v2, v3, v4, BLOCK_R, D, V_KIND, V_G, V_KO, V_ZSCORE, V_Z,
-               V_MIN_T, V_T0, V_T1, V_T2, V_T3, V_NT)
+               V_MIN_T, V_T0, V_T1, V_T2, V_T3, V_NT, V_R0, V_R1, V_R2, V_R3)
+
+
+def _target_reciprocal(target: float) -> float:
+    """RN(1 / target) in float32 where target's significand is one of E4M3's (1 + m/8: 6, 5, 4.5, 4 ...), so
+    that the kernel divides by it as _div_by_e4m3 does, exactly; 0.0 (an IEEE division) for any other."""
+    t = torch.tensor(target, dtype=torch.float32)
+    mantissa, _ = torch.frexp(t)  # t = mantissa * 2^e, mantissa in [0.5, 1)
+    if float(t) != target or float(mantissa * 16) != int(mantissa * 16):
+        return 0.0
+    return float(torch.ones((), dtype=torch.float32) / t)
 
 
 def _format_args(pages, fmt: FP4Format | None, prefix: str) -> tuple[dict, float]:
@@ -266,6 +286,7 @@ def _format_args(pages, fmt: FP4Format | None, prefix: str) -> tuple[dict, float
     ce.update({f"{prefix}_ZSCORE": kind == paged.FP4 and fmt.outlier_mode == "zscore",
                f"{prefix}_MIN_T": float(min(targets)), f"{prefix}_NT": len(targets)})
     ce.update({f"{prefix}_T{i}": float(t) for i, t in enumerate(padded)})
+    ce.update({f"{prefix}_R{i}": _target_reciprocal(t) for i, t in enumerate(padded)})
     return ce, float(fmt.zscore) if kind == paged.FP4 else 0.0
 
 
