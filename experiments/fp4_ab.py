@@ -42,7 +42,8 @@ MODULE = "app/kernels/decode_fp4_gluon.py"
 
 
 def load_module(name: str, path: str):
-    """A copy of decode_fp4_gluon as its own module (Gluon reads a kernel's source from its file)."""
+    """A Python file (a copy of a product module, e.g. decode_fp4_gluon or store_kv) as its own module: Triton and
+    Gluon read a kernel's source from its file."""
     spec = importlib.util.spec_from_file_location(f"fp4_ab_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

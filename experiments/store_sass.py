@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
 import os
 import re
@@ -51,13 +50,6 @@ def straight_path(sass: str) -> collections.Counter:
     return ops
 
 
-def load_module(name: str, path: str):
-    spec = importlib.util.spec_from_file_location(f"store_kv_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--triton-path", default=None, help="a directory holding the Triton to compile with")
@@ -73,12 +65,13 @@ def main() -> None:
     from app.config import FP4Config
     from app.kernels import paged
     from app.kernels import store_kv as this_tree
+    from experiments.fp4_ab import load_module
     from experiments.kernel_sass import compile_kernel
 
     modules = {"": this_tree}
     for item in filter(None, args.modules.split(",")):
         name, path = item.split("=", 1)
-        modules[f"{name}:"] = load_module(name, path)
+        modules[f"{name}:"] = load_module(f"store_kv_{name}", path)
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     fmts = FP4Config().formats()
     rows = []

@@ -16,8 +16,6 @@ query and 8 KV heads of 128), bf16, slots scattered over the layer's pages, the 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import os
 import sys
 
@@ -25,9 +23,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernel_timings import BLOCK, DEV, FORMATS, HEAD_DIM, bench, run_info  # noqa: E402
+from bench.kernel_timings import BLOCK, DEV, FORMATS, HEAD_DIM, bench, run_info, save_row  # noqa: E402
 from app.kernels import paged  # noqa: E402
 from app.kernels.store_kv import store_kv  # noqa: E402
+from experiments.fp4_ab import load_module  # noqa: E402
 
 Q_HEADS, KV_HEADS = 32, 8
 NUM_BLOCKS = 1024
@@ -39,18 +38,6 @@ KINDS = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8"), "fp4": ("fp4", "fp4"),
 def layer_pages(kind: str, fmt):
     z = torch.zeros(NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, device=DEV)
     return paged.quantize_pages(z, kind, fmt if kind == "fp4" else None)
-
-
-def page_tensors(pages) -> list[torch.Tensor]:
-    return [t for t in paged.page_args(pages)]
-
-
-def load_store(name: str, path: str):
-    """store_kv of another version of app/kernels/store_kv.py (a file), imported under its own name."""
-    spec = importlib.util.spec_from_file_location(f"store_kv_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.store_kv
 
 
 def main() -> None:
@@ -66,7 +53,7 @@ def main() -> None:
     stores = {"": store_kv}
     for item in filter(None, args.modules.split(",")):
         name, path = item.split("=", 1)
-        stores[f"{name}:"] = load_store(name, path)
+        stores[f"{name}:"] = load_module(f"store_kv_{name}", path).store_kv
     results = {**run_info(layers=args.layers), "rows": []}
     gen = torch.Generator(device=DEV).manual_seed(0)
     builds = {f"{m}{b}": (fn, *BUILDS[b]) for m, fn in stores.items() for b in args.builds.split(",")}
@@ -89,10 +76,10 @@ def main() -> None:
             def first_layer(store, block_r, warps) -> list[torch.Tensor]:
                 # layer 0's pages from zero after one step of this build
                 kp, vp = layers[0]
-                for t in page_tensors(kp) + page_tensors(vp):
+                for t in paged.page_args(kp) + paged.page_args(vp):
                     t.zero_()
                 step(store, block_r, warps)
-                return [t.clone() for t in page_tensors(kp) + page_tensors(vp)]
+                return [t.clone() for t in paged.page_args(kp) + paged.page_args(vp)]
 
             ref = first_layer(store_kv, *BUILDS["rule"])
             equal = {name: all(torch.equal(a, b) for a, b in zip(ref, first_layer(*build)))
@@ -104,11 +91,7 @@ def main() -> None:
             row = {"kind": kind, "tokens": tokens, "rows": tokens * KV_HEADS,
                    **{f"{n}_us_per_layer": round(1e3 * ms / args.layers, 3) for n, ms in best.items()},
                    "bytes_equal_to_rule": equal}
-            results["rows"].append(row)
-            print(json.dumps(row), flush=True)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(results, f, indent=1)
+            save_row(results, row, args.json)
         del layers
         torch.cuda.empty_cache()
     names = list(builds)

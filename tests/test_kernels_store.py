@@ -12,7 +12,9 @@ import triton.language as tl
 
 from app.kernels import fp4, paged
 from app.kernels.attention_ref import dequantize_pages
-from app.kernels.store_kv import _div_by_e4m3, _e2m1_code, _e2m1_round, _e4m3_reciprocal, store_kv, store_kv_ref
+from app.kernels.fp4 import FP4Format
+from app.kernels.store_kv import (_div_by_e4m3, _e2m1_code, _e2m1_round, _e4m3_reciprocal, _target_reciprocal, store_kv,
+                                  store_kv_ref)
 from kernels_testing import FORMATS, interpreted, keys_like_llama, page_bits, poison, random_pages
 
 
@@ -25,6 +27,13 @@ def _stored(name, key, value, slots, num_blocks, block_size, kernel: bool, **lau
     else:
         store_kv_ref(key, value, slots, k_pages, v_pages, formats)
     return k_pages, v_pages, formats
+
+
+def _assert_same_bits(got, want):
+    """Every page array of K and V pages (got, want) holds the same bytes."""
+    for pages_got, pages_want in zip(got, want):
+        for a, b in zip(page_bits(pages_got), page_bits(pages_want)):
+            assert torch.equal(a, b)
 
 
 def _case(num_tokens, num_kv_heads, head_dim, num_blocks, block_size, dtype, seed=0):
@@ -47,10 +56,7 @@ def test_store_writes_the_reference_bits(name, head_dim, block_size):
     key, value, slots = _case(37, 2, head_dim, num_blocks, block_size, torch.float32)
     got = _stored(name, key, value, slots, num_blocks, block_size, kernel=True)
     want = _stored(name, key, value, slots, num_blocks, block_size, kernel=False)
-    for pages_got, pages_want in zip(got[:2], want[:2]):
-        for a, b in zip(page_bits(pages_got), page_bits(pages_want)):
-            assert torch.equal(a, b)
-
+    _assert_same_bits(got[:2], want[:2])
 
 
 @pytest.mark.parametrize("name", ["fp4", "fp4-zscore", "fp4-kg8"])
@@ -62,9 +68,8 @@ def test_every_store_build_writes_the_reference_bits(name, block_r, num_warps):
     key, value, slots = _case(19, 2, 128, 5, 16, torch.bfloat16, seed=3)
     got = _stored(name, key, value, slots, 5, 16, kernel=True, block_r=block_r, num_warps=num_warps)
     want = _stored(name, key, value, slots, 5, 16, kernel=False)
-    for pages_got, pages_want in zip(got[:2], want[:2]):
-        for a, b in zip(page_bits(pages_got), page_bits(pages_want)):
-            assert torch.equal(a, b)
+    _assert_same_bits(got[:2], want[:2])
+
 
 def _rows(pages, slots):
     """The vectors of the given slots (the rest of the pages holds poison)."""
@@ -143,7 +148,6 @@ def test_e2m1_rounding_gives_the_reference_codes():
     assert torch.equal(val.abs(), fp4.e2m1_decode(want).abs())
 
 
-
 def test_markstein_division_by_e4m3_significands_is_exact():
     """The store divides by a candidate scale (an E4M3 value) as x * r + one correction by the remainder, with
     r = RN(1 / s): for every float32 significand of x and each of E4M3's 8 significands this equals IEEE x / s.
@@ -189,35 +193,26 @@ def test_store_division_matches_ieee_for_every_scale_code():
     xs, cs = xs.contiguous().flatten(), cs.contiguous().flatten()
     q, v = torch.empty_like(xs), torch.empty_like(xs)
     _divide_kernel[(triton.cdiv(xs.numel(), 4096),)](xs, cs, q, v, xs.numel(), BLOCK=4096)
-    s = torch.from_numpy(fp4_scale_values(cs.numpy()))
-    ieee = xs / s
+    ieee = xs / cs.to(torch.uint8).view(torch.float8_e4m3fn).float()
     normal = xs.abs() >= 2.0 ** -100  # below, the remainder may underflow: the quotient is then < 2^-92
     assert torch.equal(q[normal], ieee[normal])
     want = fp4.e2m1_decode(fp4.e2m1_encode(ieee))
     assert torch.equal(v.abs(), want.abs())
     assert torch.equal(v[v != 0] < 0, ieee[v != 0] < 0)
 
-def fp4_scale_values(codes: np.ndarray) -> np.ndarray:
-    """E4M3 codes -> float32 values (torch's float8_e4m3fn decoding)."""
-    return torch.from_numpy(codes.astype(np.uint8)).view(torch.float8_e4m3fn).float().numpy()
-
 
 @interpreted
 def test_scale_targets_off_the_e4m3_grid_write_the_reference_bits():
     """Targets whose significand is an E4M3 one (the default 6, 5, 4.5, 4) are divided by through their
     reciprocal; others (4.25, 3.3) through an IEEE division: both write the reference's bits."""
-    from app.kernels.fp4 import FP4Format
-    from app.kernels.store_kv import _target_reciprocal
-
     formats = (FP4Format(group_size=32, outliers=4, scale_targets=(6.0, 4.25, 3.3)),
                FP4Format(group_size=16, scale_targets=(5.5, 4.25)))
     assert [_target_reciprocal(t) > 0 for t in (6.0, 5.0, 4.5, 4.0, 5.5, 4.25, 3.3)] == [True] * 5 + [False] * 2
     key, value, slots = _case(11, 2, 64, 4, 16, torch.float32, seed=7)
     pages = []
-    for ref in (False, True):
+    for store in (store_kv, store_kv_ref):
         kp, vp = (paged.quantize_pages(torch.zeros(4, 16, 2, 64), "fp4", f) for f in formats)
         poison(kp), poison(vp)
-        (store_kv_ref if ref else store_kv)(key, value, slots, kp, vp, formats)
-        pages.append(page_bits(kp) + page_bits(vp))
-    for a, b in zip(*pages):
-        assert torch.equal(a, b)
+        store(key, value, slots, kp, vp, formats)
+        pages.append((kp, vp))
+    _assert_same_bits(*pages)

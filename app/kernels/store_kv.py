@@ -206,11 +206,11 @@ def _store_one(x_ptr, prow, off, valid, p0, p1, p2, p3, p4, R: tl.constexpr, D: 
                KIND: tl.constexpr, G: tl.constexpr, KO: tl.constexpr, ZSCORE: tl.constexpr, Z,
                MIN_T: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr,
                NT: tl.constexpr, R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr):
-    d = tl.arange(0, D)
     if KIND == 2:
         _store_fp4(x_ptr, off, prow, valid, p0, p1, p2, p3, p4, R, D, G, KO, ZSCORE, Z, MIN_T, T0, T1, T2, T3, NT,
                    R0, R1, R2, R3)
         return
+    d = tl.arange(0, D)
     x = tl.load(x_ptr + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     if KIND == 0:
         if p0.dtype.element_ty == tl.bfloat16 and x.dtype != tl.bfloat16:
